@@ -1,0 +1,40 @@
+r"""tiny-grpo: the benchmark configuration (a random-init Qwen2-style model; speed, not learning).
+
+Qwen2-style: vocab 512, hidden 256, 4 layers, 4 heads, 2 KV heads, MLP 688, float32; 16 prompts x 8
+samples, prompts padded to 16 tokens, 32 new tokens, temperature 1, one Adam update per batch.
+
+  python experiments/benchmark_main.py --config=experiments/configs/tiny_grpo.py
+  python experiments/benchmark_main.py --config=experiments/configs/tiny_grpo.py --config.mesh.cpu_devices=1
+
+Hardware: 2 CPU cores. Expected result: see BENCHMARKS.md. Variant ``:kl`` adds a reference model
+(k3 KL in the loss), which costs one more forward pass per step.
+"""
+import importlib.util
+import os
+
+
+def _sibling(name: str):
+  """Loads experiments/configs/<name>.py by path (config files are loaded by path, not as a package)."""
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+  spec = importlib.util.spec_from_file_location(f"rl_fusion_jax_config_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def get_config(arg: str = ""):
+  arithmetic = _sibling("arithmetic")
+  c = arithmetic.get_config()
+  c.model = arithmetic.model(vocab_size=512, hidden=256, layers=4, heads=4, kv_heads=2, mlp=688)
+  c.model.tie_word_embeddings = False
+  c.model.max_position_embeddings = 64
+  c.task.kwargs = dict(min_digits=1, max_digits=3, ops="+-")
+  c.rollout.max_prompt_len = 16
+  c.rollout.max_new_tokens = 32
+  c.warmup.steps = 0
+  c.run.steps = 10
+  if arg == "kl":
+    c.algo.kl_coef = 0.05
+  elif arg:
+    raise ValueError(f"unknown variant {arg!r} of tiny_grpo.py; known: kl")
+  return c

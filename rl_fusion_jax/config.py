@@ -1,0 +1,290 @@
+"""Typed, frozen configuration for every subsystem, and the one conversion from ml_collections.
+
+Library code only ever sees these dataclasses (validated in ``__post_init__``); the experiment binaries
+convert the user's ``ConfigDict`` once with :func:`experiment_from_dict`, which rejects unknown keys by their
+full path (``config.rollout.temprature``) before anything is compiled or written.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from rl_fusion_jax.models import ModelConfig
+
+
+def _require(cond: bool, field: str, msg: str) -> None:
+  if not cond:
+    raise ValueError(f"config.{field}: {msg}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Mesh axis sizes over all devices; -1 on one axis means 'whatever is left'."""
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+  # Virtual devices when running on CPU (0: one per core). Read by the binaries before JAX starts.
+  cpu_devices: int = 0
+
+  def _sizes(self) -> dict[str, int]:
+    return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+
+  def __post_init__(self):
+    _require(self.cpu_devices >= 0, "mesh.cpu_devices", f"must be >= 0, got {self.cpu_devices}")
+    sizes = self._sizes()
+    for name, size in sizes.items():
+      _require(size == -1 or size >= 1, f"mesh.{name}", f"must be -1 or >= 1, got {size}")
+    _require(list(sizes.values()).count(-1) <= 1, "mesh", "at most one axis may be -1")
+
+  def resolve(self, num_devices: int) -> dict[str, int]:
+    """Axis name -> size for ``num_devices`` devices; raises if the sizes do not divide them."""
+    sizes = self._sizes()
+    fixed = 1
+    for size in sizes.values():
+      fixed *= size if size > 0 else 1
+    if num_devices % fixed:
+      raise ValueError(f"config.mesh: axis sizes {sizes} (product {fixed}) do not divide the "
+                       f"{num_devices} devices")
+    for name, size in sizes.items():
+      if size == -1:
+        sizes[name] = num_devices // fixed
+    product = sizes["data"] * sizes["fsdp"] * sizes["tensor"]
+    if product != num_devices:
+      raise ValueError(f"config.mesh: axis sizes {sizes} use {product} devices but {num_devices} "
+                       "are present; set one axis to -1 or make the product match")
+    return sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+  """Where the policy comes from: a Hugging Face folder, or random init of ``config``."""
+  config: ModelConfig
+  hf_path: str = ""       # when set, load_hf(hf_path) replaces random init (config must then match it)
+  init_std: float = 0.02
+
+  def __post_init__(self):
+    _require(self.init_std > 0, "model.init_std", f"must be > 0, got {self.init_std}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+  """The verifiable task and its tokenizer."""
+  name: str = "arithmetic"
+  kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  tokenizer: str = "char"     # 'char' or a path to tokenizer.json / a folder holding one
+  eval_seed: int = 10_000     # the held-out problems come from a task built with this seed
+  eval_problems: int = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """Generation: prompts per step, samples per prompt (the GRPO group) and sampling."""
+  num_prompts: int = 16
+  group_size: int = 8
+  max_prompt_len: int = 16
+  max_new_tokens: int = 32
+  temperature: float = 1.0
+  top_k: int = 0            # 0 disables
+  top_p: float = 1.0        # 1.0 disables
+
+  def __post_init__(self):
+    for name in ("num_prompts", "group_size", "max_prompt_len", "max_new_tokens"):
+      _require(getattr(self, name) >= 1, f"rollout.{name}", f"must be >= 1, got {getattr(self, name)}")
+    _require(self.temperature >= 0, "rollout.temperature", f"must be >= 0, got {self.temperature}")
+    _require(self.top_k >= 0, "rollout.top_k", f"must be >= 0, got {self.top_k}")
+    _require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+
+  @property
+  def batch_size(self) -> int:
+    return self.num_prompts * self.group_size
+
+  @property
+  def seq_len(self) -> int:
+    return self.max_prompt_len + self.max_new_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgoConfig:
+  """The RL objective; names resolve through rl_fusion_jax.algorithms.registry."""
+  advantage: str = "grpo"
+  policy_loss: str = "ppo_clip"
+  clip_low: float = 0.2
+  clip_high: float = 0.2
+  dual_clip: float | None = None
+  kl_coef: float = 0.0
+  kl_estimator: str = "k3"
+  kl_mode: str = "loss"          # 'loss': a loss term; 'reward': subtracted from the sequence reward
+  entropy_coef: float = 0.0
+  aggregation: str = "token-mean"
+
+  def __post_init__(self):
+    from rl_fusion_jax.algorithms import registry  # deferred: registry imports jax
+    for field, known in (("advantage", registry.ADVANTAGE_ESTIMATORS),
+                         ("policy_loss", registry.POLICY_LOSSES),
+                         ("kl_estimator", registry.KL_ESTIMATORS),
+                         ("aggregation", registry.AGGREGATIONS)):
+      name = getattr(self, field)
+      _require(name in known, f"algo.{field}", f"unknown name {name!r}; known: {sorted(known)}")
+    _require(self.kl_mode in ("loss", "reward"), "algo.kl_mode",
+             f"must be 'loss' or 'reward', got {self.kl_mode!r}")
+    _require(self.kl_coef >= 0, "algo.kl_coef", f"must be >= 0, got {self.kl_coef}")
+    _require(0 <= self.clip_low < 1, "algo.clip_low", f"must be in [0, 1), got {self.clip_low}")
+    _require(self.clip_high >= 0, "algo.clip_high", f"must be >= 0, got {self.clip_high}")
+    _require(self.dual_clip is None or self.dual_clip > 1, "algo.dual_clip",
+             f"must be None or > 1, got {self.dual_clip}")
+
+  @property
+  def needs_reference(self) -> bool:
+    return self.kl_coef > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """AdamW with global-norm clipping, linear warm-up, and micro-batch gradient accumulation."""
+  learning_rate: float = 1e-5
+  b1: float = 0.9
+  b2: float = 0.999
+  weight_decay: float = 0.0
+  grad_clip: float = 1.0           # 0 disables
+  warmup_steps: int = 0
+  micro_batches: int = 1
+
+  def __post_init__(self):
+    _require(self.learning_rate > 0, "optim.learning_rate", f"must be > 0, got {self.learning_rate}")
+    _require(self.grad_clip >= 0, "optim.grad_clip", f"must be >= 0, got {self.grad_clip}")
+    _require(self.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+    _require(self.micro_batches >= 1, "optim.micro_batches", f"must be >= 1, got {self.micro_batches}")
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupConfig:
+  """Supervised warm-up on the task's reference completions before RL (0 steps disables it)."""
+  steps: int = 0
+  batch_size: int = 64
+  learning_rate: float = 1e-3
+
+  def __post_init__(self):
+    _require(self.steps >= 0, "warmup.steps", f"must be >= 0, got {self.steps}")
+    _require(self.batch_size >= 1, "warmup.batch_size", f"must be >= 1, got {self.batch_size}")
+    _require(self.learning_rate > 0, "warmup.learning_rate", f"must be > 0, got {self.learning_rate}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """Loop length, seeds, logging and checkpoint cadence."""
+  steps: int = 100
+  seed: int = 0
+  checkpoint_every: int = 50      # 0: only at the end
+  keep_checkpoints: int = 2
+  progress_every_s: float = 5.0
+  eval_every: int = 0             # 0: only before and after RL
+
+  def __post_init__(self):
+    _require(self.steps >= 0, "run.steps", f"must be >= 0, got {self.steps}")
+    _require(self.checkpoint_every >= 0, "run.checkpoint_every", f"must be >= 0")
+    _require(self.keep_checkpoints >= 1, "run.keep_checkpoints", f"must be >= 1")
+    _require(self.eval_every >= 0, "run.eval_every", f"must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  """One experiment: a container of the subsystem configs plus the cross-field checks between them."""
+  model: ModelSource
+  mesh: MeshConfig = MeshConfig()
+  task: TaskConfig = TaskConfig()
+  rollout: RolloutConfig = RolloutConfig()
+  algo: AlgoConfig = AlgoConfig()
+  optim: OptimConfig = OptimConfig()
+  warmup: WarmupConfig = WarmupConfig()
+  run: RunConfig = RunConfig()
+
+  def __post_init__(self):
+    r = self.rollout
+    _require(r.batch_size % self.optim.micro_batches == 0, "optim.micro_batches",
+             f"must divide the rollout batch num_prompts * group_size = {r.batch_size}")
+    _require(r.seq_len <= self.model.config.max_position_embeddings, "rollout.max_new_tokens",
+             f"max_prompt_len + max_new_tokens = {r.seq_len} exceeds "
+             f"model.config.max_position_embeddings = {self.model.config.max_position_embeddings}")
+
+  def check_devices(self, num_devices: int) -> dict[str, int]:
+    """Resolves the mesh and checks that every batch splits evenly over its batch axes."""
+    sizes = self.mesh.resolve(num_devices)
+    batch_shards = sizes["data"] * sizes["fsdp"]
+    per_micro = self.rollout.batch_size // self.optim.micro_batches
+    _require(per_micro % batch_shards == 0, "rollout.num_prompts",
+             f"the micro-batch of {per_micro} sequences (num_prompts * group_size / micro_batches) "
+             f"must divide over data * fsdp = {batch_shards} devices")
+    _require(self.warmup.steps == 0 or self.warmup.batch_size % batch_shards == 0, "warmup.batch_size",
+             f"must be divisible by data * fsdp = {batch_shards}")
+    _require(self.task.eval_problems % batch_shards == 0, "task.eval_problems",
+             f"must be divisible by data * fsdp = {batch_shards}")
+    return sizes
+
+
+# ----------------------------------------------------------------------------------------------------
+# ConfigDict -> dataclasses, rejecting unknown keys by path.
+# ----------------------------------------------------------------------------------------------------
+
+def _from_mapping(cls, values: Mapping[str, Any], path: str):
+  hints = typing.get_type_hints(cls)
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - set(fields))
+  if unknown:
+    raise ValueError(f"unknown config field(s) {', '.join(f'{path}.{k}' for k in unknown)}; "
+                     f"known in {path}: {sorted(fields)}")
+  kwargs = {}
+  for name, value in values.items():
+    hint = hints[name]
+    if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
+      value = _from_mapping(hint, value, f"{path}.{name}")
+    elif isinstance(value, list):
+      value = tuple(value)
+    kwargs[name] = value
+  try:
+    return cls(**kwargs)
+  except TypeError as e:
+    raise ValueError(f"{path}: {e}") from e
+
+
+def to_plain(value: Any) -> Any:
+  """ConfigDict / FrozenConfigDict / Mapping -> nested plain dicts (lists kept)."""
+  if hasattr(value, "to_dict"):
+    value = value.to_dict()
+  if isinstance(value, Mapping):
+    return {k: to_plain(v) for k, v in value.items()}
+  return value
+
+
+def experiment_from_dict(config: Mapping[str, Any]) -> ExperimentConfig:
+  """Builds the typed experiment config; every error names the offending ``config.<path>``."""
+  values = to_plain(config)
+  model = dict(values.pop("model", {}))
+  source = {k: model.pop(k) for k in ("hf_path", "init_std") if k in model}
+  if "rope_scaling" in model and isinstance(model["rope_scaling"], Mapping):
+    model["rope_scaling"] = tuple(sorted(model["rope_scaling"].items()))
+  model_cfg = _from_mapping(ModelConfig, model, "config.model")
+  kwargs = {"model": ModelSource(config=model_cfg, **source)}
+  for name, sub in values.items():
+    field_types = typing.get_type_hints(ExperimentConfig)
+    if name not in field_types:
+      raise ValueError(f"unknown config field config.{name}; known: {sorted(field_types)}")
+    if name == "task":
+      sub = dict(sub)
+      sub["kwargs"] = dict(sub.get("kwargs", {}))
+    kwargs[name] = _from_mapping(field_types[name], sub, f"config.{name}")
+  return ExperimentConfig(**kwargs)
+
+
+def as_dict(cfg: ExperimentConfig) -> dict[str, Any]:
+  """JSON-friendly dict of the resolved config (saved as config.json in the workdir)."""
+  def plain(v):
+    if dataclasses.is_dataclass(v):
+      return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    if isinstance(v, Mapping):
+      return {k: plain(x) for k, x in v.items()}
+    if isinstance(v, tuple):
+      return [plain(x) for x in v]
+    return v
+  return plain(cfg)

@@ -1,0 +1,170 @@
+"""`ModelConfig`: the one frozen, hashable description of a decoder (Qwen2 / Llama family).
+
+It is the static argument of every jitted model function, so it must stay hashable: `rope_scaling` is kept
+as a sorted tuple of `(key, value)` pairs (a dict passed in is converted). Validation happens here, once,
+with errors that name the field. Conversion to and from Hugging Face `config.json` dicts lives in
+`hf_config.py`; this module never reads files.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+
+from rl_fusion_jax.models import hf_config
+
+MODEL_TYPES = ("qwen2", "llama")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+ROPE_TYPES = ("default", "llama3")
+# Keys the llama3 frequency formula reads (transformers `_compute_llama3_parameters`).
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _fail(field: str, message: str, value: Any) -> ValueError:
+  return ValueError(f"ModelConfig.{field}: {message}, got {value!r}")
+
+
+def _check_positive_int(field: str, value: Any) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    raise _fail(field, "must be a positive int", value)
+
+
+def _check_optional_token(field: str, value: Any) -> None:
+  if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+    raise _fail(field, "must be None or a non-negative int", value)
+
+
+def normalize_rope_scaling(value: Any) -> tuple | None:
+  """Returns `rope_scaling` as a sorted tuple of pairs, or None for plain RoPE; raises on unknown types.
+
+  Accepts None, a mapping, or a tuple of pairs. The legacy key `type` is read as `rope_type`, and
+  `rope_theta` is dropped here because it is its own field. `rope_type='default'` normalizes to None so
+  that equal models compare (and hash) equal.
+  """
+  if value is None:
+    return None
+  if isinstance(value, Mapping):
+    items = dict(value)
+  else:
+    try:
+      items = dict(value)
+    except (TypeError, ValueError):
+      raise _fail("rope_scaling", "must be None, a dict or a tuple of (key, value) pairs", value) from None
+  if "type" in items:
+    items.setdefault("rope_type", items.pop("type"))
+  items.pop("rope_theta", None)
+  rope_type = items.get("rope_type", "default")
+  if rope_type not in ROPE_TYPES:
+    raise _fail("rope_scaling.rope_type", f"unsupported (supported: {', '.join(ROPE_TYPES)})", rope_type)
+  if rope_type == "default":
+    return None
+  return _normalize_llama3(items)
+
+
+def _normalize_llama3(items: dict) -> tuple:
+  missing = [k for k in LLAMA3_ROPE_KEYS if k not in items]
+  if missing:
+    raise _fail("rope_scaling", f"rope_type 'llama3' needs keys {missing}", items)
+  for key in LLAMA3_ROPE_KEYS:
+    if isinstance(items[key], bool) or not isinstance(items[key], (int, float)) or items[key] <= 0:
+      raise _fail(f"rope_scaling.{key}", "must be a positive number", items[key])
+  if items["high_freq_factor"] <= items["low_freq_factor"]:
+    raise _fail("rope_scaling.high_freq_factor", "must exceed low_freq_factor", items["high_freq_factor"])
+  # Only what the formula reads is kept; extra keys (e.g. a repeated rope_theta) would break equality.
+  kept = {k: items[k] for k in LLAMA3_ROPE_KEYS}
+  kept["factor"] = float(kept["factor"])
+  kept["low_freq_factor"] = float(kept["low_freq_factor"])
+  kept["high_freq_factor"] = float(kept["high_freq_factor"])
+  kept["original_max_position_embeddings"] = int(kept["original_max_position_embeddings"])
+  kept["rope_type"] = "llama3"
+  return tuple(sorted(kept.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Static shape and numerics of a Qwen2/Llama decoder.
+
+  `head_dim=None` is resolved in `__post_init__` to `hidden_size // num_heads`, so `cfg.head_dim` is
+  always an int afterwards (`cfg.head_dim_` is the same value, kept as an alias).
+  `dtype` is the compute dtype of matmuls; `param_dtype` the storage dtype of parameters. Attention
+  softmax, RMSNorm statistics and logits are always float32.
+  """
+  vocab_size: int
+  hidden_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  intermediate_size: int
+  head_dim: int | None = None
+  rope_theta: float = 10000.0
+  rope_scaling: tuple | None = None
+  rms_norm_eps: float = 1e-6
+  qkv_bias: bool = False
+  tie_word_embeddings: bool = False
+  max_position_embeddings: int = 2048
+  model_type: str = "qwen2"
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  bos_token_id: int | None = None
+  eos_token_id: int | None = None
+
+  def __post_init__(self):
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                 "intermediate_size", "max_position_embeddings"):
+      _check_positive_int(name, getattr(self, name))
+    if self.num_heads % self.num_kv_heads:
+      raise _fail("num_kv_heads", f"must divide num_heads={self.num_heads}", self.num_kv_heads)
+    self._resolve_head_dim()
+    for name in ("rope_theta", "rms_norm_eps"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise _fail(name, "must be a positive number", value)
+    object.__setattr__(self, "rope_scaling", normalize_rope_scaling(self.rope_scaling))
+    for name in ("qkv_bias", "tie_word_embeddings"):
+      if not isinstance(getattr(self, name), bool):
+        raise _fail(name, "must be a bool", getattr(self, name))
+    if self.model_type not in MODEL_TYPES:
+      raise _fail("model_type", f"must be one of {MODEL_TYPES}", self.model_type)
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in DTYPES:
+        raise _fail(name, f"must be one of {tuple(DTYPES)}", getattr(self, name))
+    _check_optional_token("bos_token_id", self.bos_token_id)
+    _check_optional_token("eos_token_id", self.eos_token_id)
+
+  def _resolve_head_dim(self) -> None:
+    if self.head_dim is None:
+      if self.hidden_size % self.num_heads:
+        raise _fail("head_dim", f"is None and num_heads={self.num_heads} does not divide hidden_size "
+                    f"={self.hidden_size}; set head_dim", self.head_dim)
+      object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+    _check_positive_int("head_dim", self.head_dim)
+    if self.head_dim % 2:
+      raise _fail("head_dim", "must be even (RoPE rotates halves)", self.head_dim)
+
+  @property
+  def head_dim_(self) -> int:
+    """Resolved head dimension (alias of `head_dim`, which `__post_init__` already resolved)."""
+    return self.head_dim
+
+  @property
+  def compute_dtype(self) -> jnp.dtype:
+    return jnp.dtype(DTYPES[self.dtype])
+
+  @property
+  def weight_dtype(self) -> jnp.dtype:
+    return jnp.dtype(DTYPES[self.param_dtype])
+
+  @property
+  def rope_scaling_dict(self) -> dict | None:
+    return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+  @classmethod
+  def from_hf_dict(cls, d: Mapping[str, Any], **overrides) -> "ModelConfig":
+    """Builds a config from a transformers `config.json` dict (4.x or 5.x layout); see `hf_config`."""
+    return hf_config.from_hf_dict(cls, d, **overrides)
+
+  def to_hf_dict(self, *, dtype: str | None = None) -> dict[str, Any]:
+    """A transformers-loadable `config.json` dict; `dtype` is the saved weight dtype (default param_dtype)."""
+    return hf_config.to_hf_dict(self, dtype=dtype)

@@ -1,0 +1,232 @@
+"""The decoder as pure functions over a plain params dict: `init_params`, `forward`, `param_logical_axes`.
+
+Parameters live outside the model as a nested dict of arrays (a pure pytree for optax, orbax and
+`device_put`). The NNX module is only the program: its graph definition and abstract state are built
+once per config (`nnx.eval_shape`, cached), and each call merges the caller's arrays into it, which
+under `jit` is a trace-time rebinding, never a copy. This module must not place or shard anything.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from rl_fusion_jax.models.config import ModelConfig
+from rl_fusion_jax.models.layers import F32, DecoderLayer, RMSNorm, make_param
+
+Params = dict[str, Any]
+
+
+class Embed(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, init_std: float, rngs: nnx.Rngs):
+    shape = (cfg.vocab_size, cfg.hidden_size)
+    self.embedding = make_param(rngs, "normal", shape, ("vocab", "embed"), cfg.weight_dtype, init_std)
+
+
+class LMHead(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, init_std: float, rngs: nnx.Rngs):
+    shape = (cfg.hidden_size, cfg.vocab_size)
+    self.kernel = make_param(rngs, "normal", shape, ("embed", "vocab"), cfg.weight_dtype, init_std)
+
+
+class Decoder(nnx.Module):
+  """Token embedding, `num_layers` blocks (attributes `layers_0`, `layers_1`, ...), final norm, lm head.
+
+  With `tie_word_embeddings` there is no `lm_head`: logits use the embedding transposed.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, init_std: float = 0.02, rngs: nnx.Rngs):
+    self.num_layers = cfg.num_layers
+    self.dtype = cfg.compute_dtype
+    self.embed = Embed(cfg, init_std=init_std, rngs=rngs)
+    for i in range(cfg.num_layers):
+      setattr(self, f"layers_{i}", DecoderLayer(cfg, init_std=init_std, rngs=rngs))
+    self.final_norm = RMSNorm(cfg, rngs=rngs)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = LMHead(cfg, init_std=init_std, rngs=rngs)
+
+  def blocks(self) -> Iterator[DecoderLayer]:
+    return (getattr(self, f"layers_{i}") for i in range(self.num_layers))
+
+  def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
+    # Gather first, then cast: never materializes a converted copy of the whole table.
+    return jnp.take(self.embed.embedding[...], tokens_bt, axis=0).astype(self.dtype)
+
+  def logits(self, x_btd: jax.Array) -> jax.Array:
+    """Final norm and lm head; float32 logits whatever the compute dtype."""
+    x_btd = self.final_norm(x_btd)
+    if hasattr(self, "lm_head"):
+      return jnp.einsum("BTD,DV->BTV", x_btd, self.lm_head.kernel[...].astype(self.dtype),
+                        preferred_element_type=F32)
+    return jnp.einsum("BTD,VD->BTV", x_btd, self.embed.embedding[...].astype(self.dtype),
+                      preferred_element_type=F32)
+
+  def __call__(self, tokens_bt, positions_bt, mask_btt):
+    x_btd = self.embed_tokens(tokens_bt)
+    for block in self.blocks():
+      x_btd = block(x_btd, positions_bt, mask_btt)
+    return self.logits(x_btd)
+
+
+@functools.lru_cache(maxsize=64)
+def _abstract(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+  """Graph definition and abstract (shape-only) state of the model, built once per config."""
+  return nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+
+
+def flatten(tree: Mapping, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+  """(path, leaf) pairs of a nested dict, depth first in insertion order."""
+  for key, value in tree.items():
+    if isinstance(value, Mapping):
+      yield from flatten(value, prefix + (key,))
+    else:
+      yield prefix + (key,), value
+
+
+def unflatten(flat: Mapping[tuple, Any]) -> dict[str, Any]:
+  """Inverse of `flatten`."""
+  tree: dict = {}
+  for path, value in flat.items():
+    node = tree
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = value
+  return tree
+
+
+def path_str(path: tuple) -> str:
+  return "params" + "".join(f"[{k!r}]" for k in path)
+
+
+@functools.lru_cache(maxsize=64)
+def _expected_shapes(cfg: ModelConfig) -> dict[tuple, tuple[int, ...]]:
+  return {path: leaf.shape for path, leaf in flatten(abstract_params(cfg))}
+
+
+def check_params(cfg: ModelConfig, params: Params) -> None:
+  """Raises ValueError naming the first missing, unexpected or wrongly shaped entry of `params`."""
+  if not isinstance(params, Mapping):
+    raise ValueError(f"params: expected a nested dict of arrays, got {type(params).__name__}")
+  expected = _expected_shapes(cfg)
+  given = dict(flatten(params))
+  missing, extra = expected.keys() - given.keys(), given.keys() - expected.keys()
+  if missing:
+    raise ValueError(f"{path_str(sorted(missing, key=str)[0])}: missing ({len(missing)} missing in total)")
+  if extra:
+    raise ValueError(f"{path_str(sorted(extra, key=str)[0])}: unexpected for this ModelConfig")
+  for path, leaf in given.items():
+    if tuple(jnp.shape(leaf)) != expected[path]:
+      raise ValueError(f"{path_str(path)}: shape {tuple(jnp.shape(leaf))}, expected {expected[path]}")
+
+
+def bind(cfg: ModelConfig, params: Params) -> Decoder:
+  """The module with `params` as its state (shared arrays, no copy); checks the structure first."""
+  check_params(cfg, params)
+  graphdef, abstract_state = _abstract(cfg)
+  state = jax.tree.map(lambda v: v, abstract_state)  # fresh Variables: the cached state stays abstract
+  nnx.replace_by_pure_dict(state, params)
+  return nnx.merge(graphdef, state)
+
+
+def _init_rules(cfg: ModelConfig) -> dict[str, Any]:
+  """The `init` metadata ('normal' / 'zeros' / 'ones') the modules recorded, per param."""
+  return nnx.to_pure_dict(_abstract(cfg)[1], extract_fn=lambda v: v.get_metadata()["init"])
+
+
+# Normals are drawn in flat chunks of up to this many elements (1 GiB of float32): tiny models get one
+# random call, large ones a bounded transient.
+_NOISE_CHUNK = 1 << 28
+
+
+def _noise_chunks(shapes: dict[tuple, tuple[int, ...]]) -> list[list[tuple]]:
+  """Groups param paths, in order, into chunks whose total size stays under `_NOISE_CHUNK`."""
+  chunks, total = [], _NOISE_CHUNK
+  for path, shape in shapes.items():
+    size = math.prod(shape)
+    if total + size > _NOISE_CHUNK:
+      chunks.append([])
+      total = 0
+    chunks[-1].append(path)
+    total += size
+  return chunks
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _init_params(cfg: ModelConfig, rng: jax.Array, init_std: float) -> Params:
+  # Normals come from a few flat draws sliced per tensor: every separate random call costs a fraction
+  # of a second of CPU compile, which for a per-tensor init adds up to many seconds.
+  leaves, rules = dict(flatten(abstract_params(cfg))), dict(flatten(_init_rules(cfg)))
+  flat = {p: jnp.full(leaf.shape, 1.0 if rules[p] == "ones" else 0.0, leaf.dtype)
+          for p, leaf in leaves.items() if rules[p] != "normal"}
+  normal_shapes = {p: leaf.shape for p, leaf in leaves.items() if rules[p] == "normal"}
+  for index, chunk in enumerate(_noise_chunks(normal_shapes)):
+    sizes = [math.prod(normal_shapes[p]) for p in chunk]
+    noise = jax.random.normal(jax.random.fold_in(rng, index), (sum(sizes),), F32) * init_std
+    for path, offset, size in zip(chunk, itertools.accumulate([0] + sizes), sizes):
+      flat[path] = noise[offset:offset + size].reshape(normal_shapes[path]).astype(leaves[path].dtype)
+  return unflatten({p: flat[p] for p in leaves})
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array, *, init_std: float = 0.02) -> Params:
+  """Random params: kernels and embedding ~ N(0, init_std), biases 0, norm scales 1, in param_dtype.
+
+  Same distribution as constructing `Decoder(cfg, init_std=..., rngs=...)`, though not the same draws.
+  """
+  if not init_std > 0:
+    raise ValueError(f"init_std: must be > 0, got {init_std!r}")
+  return _init_params(cfg, rng, float(init_std))
+
+
+def param_logical_axes(cfg: ModelConfig) -> dict[str, Any]:
+  """Logical axis names per param: same dict structure as the params, a tuple (one name per dim) per leaf."""
+  return nnx.to_pure_dict(_abstract(cfg)[1], extract_fn=lambda v: tuple(v.get_metadata()["out_sharding"]))
+
+
+def abstract_params(cfg: ModelConfig) -> Params:
+  """`jax.ShapeDtypeStruct` per param (same structure as `init_params`), without allocating anything."""
+  return nnx.to_pure_dict(_abstract(cfg)[1])
+
+
+def num_params(params: Params) -> int:
+  return sum(int(jnp.size(leaf)) for leaf in jax.tree.leaves(params))
+
+
+def attention_mask(positions_bt: jax.Array, segment_ids_bt: jax.Array | None) -> jax.Array:
+  """mask[b, q, k]: key position <= query position and, with segment ids, the same segment."""
+  mask_btt = positions_bt[:, None, :] <= positions_bt[:, :, None]
+  if segment_ids_bt is not None:
+    mask_btt &= segment_ids_bt[:, None, :] == segment_ids_bt[:, :, None]
+  return mask_btt
+
+
+def _check_tokens(tokens_bt, **others) -> None:
+  if jnp.ndim(tokens_bt) != 2:
+    raise ValueError(f"tokens_bt: expected shape [B, T], got {jnp.shape(tokens_bt)}")
+  for name, value in others.items():
+    if value is not None and jnp.shape(value) != jnp.shape(tokens_bt):
+      raise ValueError(f"{name}: shape {jnp.shape(value)} must equal tokens_bt shape {jnp.shape(tokens_bt)}")
+
+
+def forward(cfg: ModelConfig, params: Params, tokens_bt: Int[Array, "B T"], *,
+            positions_bt: Int[Array, "B T"] | None = None,
+            segment_ids_bt: Int[Array, "B T"] | None = None) -> Float[Array, "B T V"]:
+  """Float32 logits [B, T, V] of a full sequence (training, scoring). Jit with `cfg` static.
+
+  Attention is causal by position: token q sees token k iff positions[k] <= positions[q]
+  (positions default to arange(T)). With `segment_ids_bt`, a token also only sees its own segment, so a
+  packed row of several sequences (positions restarting at 0 per segment) equals running them apart.
+  Segment id 0 is conventionally padding; it is masked like any other id, so real tokens never see
+  padding and padding logits are garbage the loss must mask.
+  """
+  _check_tokens(tokens_bt, positions_bt=positions_bt, segment_ids_bt=segment_ids_bt)
+  if positions_bt is None:
+    positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
+  model = bind(cfg, params)
+  return model(tokens_bt, positions_bt, attention_mask(positions_bt, segment_ids_bt))

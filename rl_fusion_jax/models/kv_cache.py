@@ -1,0 +1,64 @@
+"""Fixed-shape KV cache and the one cached forward that serves both prefill and decode.
+
+`KVCache` is a plain dict `{'k': [L, B, S, K, H], 'v': [L, B, S, K, H]}` (layers stacked, one array
+each), so it shards, donates and offloads like any pytree. Shapes never change: generation compiles
+one prefill and one decode program. This module never allocates a second cache: writes are scatters
+into the (donated) input buffers.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from rl_fusion_jax.models.config import DTYPES, ModelConfig
+from rl_fusion_jax.models.decoder import Params, _check_tokens, bind
+
+KVCache = dict[str, jax.Array]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+  """Zeroed cache for `batch` rows of `max_len` positions; dtype defaults to the compute dtype."""
+  for name, value in (("batch", batch), ("max_len", max_len)):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+      raise ValueError(f"{name}: must be a positive int, got {value!r}")
+  dtype = cfg.compute_dtype if dtype is None else jnp.dtype(DTYPES.get(dtype, dtype))
+  shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def _check_cache(cfg: ModelConfig, cache: KVCache, batch: int) -> int:
+  if not isinstance(cache, dict) or set(cache) != {"k", "v"}:
+    raise ValueError(f"cache: expected a dict with keys 'k' and 'v', got {type(cache).__name__}")
+  shape = jnp.shape(cache["k"])
+  expected = (cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim)
+  if len(shape) != 5 or (shape[0], shape[1], shape[3], shape[4]) != expected or jnp.shape(cache["v"]) != shape:
+    raise ValueError(f"cache['k'] / cache['v']: shape {shape} / {jnp.shape(cache['v'])}, expected "
+                     f"[L={expected[0]}, B={batch}, S, K={expected[2]}, H={expected[3]}] for both")
+  return shape[2]
+
+
+def forward_with_cache(cfg: ModelConfig, params: Params, tokens_bt: Int[Array, "B T"],
+                       positions_bt: Int[Array, "B T"], cache: KVCache
+                       ) -> tuple[Float[Array, "B T V"], KVCache]:
+  """Float32 logits [B, T, V] and the updated cache. Jit with `cfg` static and the cache donated.
+
+  Token (b, t) sits at absolute position p = positions_bt[b, t]: its k/v are written at cache index p of
+  row b, then it attends to row b's entries with index <= p (higher entries are stale and masked).
+  Prefill: right-padded prompts with positions arange(P) in every row (pads write garbage past each
+  prompt, which later decode writes overwrite). Decode: tokens [B, 1] at positions = current lengths.
+  The caller guarantees 0 <= p < S; writes outside that range are dropped (never wrap onto other
+  entries), and the logits of such a token are meaningless.
+  """
+  _check_tokens(tokens_bt, positions_bt=positions_bt)
+  max_len = _check_cache(cfg, cache, tokens_bt.shape[0])
+  positions_bt = positions_bt.astype(jnp.int32)
+  in_range_bt = (positions_bt >= 0) & (positions_bt < max_len)
+  # Index max_len is out of bounds, so mode="drop" discards it; a negative index would wrap instead.
+  write_bt = jnp.where(in_range_bt, positions_bt, max_len)
+  mask_bts = jnp.arange(max_len)[None, None, :] <= positions_bt[:, :, None]
+  model = bind(cfg, params)
+  x_btd = model.embed_tokens(tokens_bt)
+  for layer, block in enumerate(model.blocks()):
+    x_btd, cache = block.with_cache(x_btd, positions_bt, mask_bts, cache, layer, write_bt)
+  return model.logits(x_btd), cache

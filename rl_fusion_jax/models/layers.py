@@ -1,0 +1,190 @@
+"""Flax NNX building blocks of the Qwen2/Llama decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Numerics follow the transformers implementation so that imported checkpoints reproduce its logits:
+RMSNorm statistics in float32, RoPE with the "rotate_half" layout and float32 inverse frequencies,
+softmax in float32. Kernels keep heads as their own axis ([D, N, H], [N, H, D]) so tensor parallelism
+over heads is a rule-table entry. Every parameter carries logical axis names as metadata only
+(`eager_sharding=False`): placement is decided by the sharding rule tables, never here.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rl_fusion_jax.models.config import ModelConfig
+
+F32 = jnp.float32
+
+
+INITIALIZERS = {"zeros": lambda std: nnx.initializers.zeros, "ones": lambda std: nnx.initializers.ones,
+                "normal": nnx.initializers.normal}
+
+
+def make_param(rngs: nnx.Rngs, init: str, shape: tuple[int, ...], axes: tuple, dtype,
+               std: float = 0.0) -> nnx.Param:
+  """An `nnx.Param` with logical axis names `axes` (metadata only) and its init rule as `init` metadata.
+
+  `init` is 'zeros', 'ones' or 'normal' (N(0, std)). Recording the rule lets `init_params` draw all
+  normals from a few flat random calls, which compile far faster on CPU than one call per tensor.
+  """
+  initializer = nnx.with_partitioning(INITIALIZERS[init](std), axes, init=init)
+  return nnx.Param(initializer(rngs.params(), shape, dtype), eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+  """x * rsqrt(mean(x^2) + eps) * scale, normalized in float32 and cast back before the scale (as HF)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.eps = cfg.rms_norm_eps
+    self.scale = make_param(rngs, "ones", (cfg.hidden_size,), ("norm",), cfg.weight_dtype)
+
+  def __call__(self, x_btd: jax.Array) -> jax.Array:
+    x32_btd = x_btd.astype(F32)
+    var_bt1 = jnp.mean(jnp.square(x32_btd), axis=-1, keepdims=True)
+    normed_btd = (x32_btd * jax.lax.rsqrt(var_bt1 + self.eps)).astype(x_btd.dtype)
+    return normed_btd * self.scale[...].astype(x_btd.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+  """Inverse frequencies [H/2] in float32, with the llama3 rescaling when configured (HF formula)."""
+  dim = cfg.head_dim
+  inv_freq = (1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2).astype(np.float32) / dim))).astype(np.float32)
+  scaling = cfg.rope_scaling_dict
+  if scaling is None:
+    return inv_freq
+  return _llama3_inv_freq(inv_freq, scaling)
+
+
+def _llama3_inv_freq(inv_freq: np.ndarray, s: dict) -> np.ndarray:
+  # Long wavelengths are slowed down by `factor`, short ones kept, the band between interpolated.
+  factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+  old_len = s["original_max_position_embeddings"]
+  low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+  wavelen = (2 * math.pi / inv_freq).astype(np.float32)
+  scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq).astype(np.float32)
+  smooth = ((old_len / wavelen - low) / (high - low)).astype(np.float32)
+  smoothed = ((1 - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
+  is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+  return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq_h) -> jax.Array:
+  """Rotates (first half, second half) pairs of the head dim by angle position * inv_freq."""
+  freqs_bth = positions_bt.astype(F32)[..., None] * jnp.asarray(inv_freq_h, F32)
+  cos_bt1h = jnp.cos(freqs_bth)[:, :, None, :].astype(x_btnh.dtype)
+  sin_bt1h = jnp.sin(freqs_bth)[:, :, None, :].astype(x_btnh.dtype)
+  x1, x2 = jnp.split(x_btnh, 2, axis=-1)
+  return jnp.concatenate([x1 * cos_bt1h - x2 * sin_bt1h, x2 * cos_bt1h + x1 * sin_bt1h], axis=-1)
+
+
+def attend(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts: jax.Array) -> jax.Array:
+  """Grouped-query softmax attention; query head n reads kv head n // (N // K) (HF `repeat_kv` order).
+
+  Masked scores get the float32 minimum rather than -inf, so a fully masked row gives finite garbage
+  (it only happens for padding) instead of NaNs that would poison gradients.
+  """
+  b, t, n, h = q_btnh.shape
+  k = k_bskh.shape[2]
+  q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
+  scores_bkgts = jnp.einsum("BTKGH,BSKH->BKGTS", q_btkgh, k_bskh, preferred_element_type=F32)
+  scores_bkgts = scores_bkgts * (h ** -0.5)
+  scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts, jnp.finfo(F32).min)
+  probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(v_bskh.dtype)
+  out_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", probs_bkgts, v_bskh)
+  return out_btkgh.reshape(b, t, n, h)
+
+
+class Attention(nnx.Module):
+  """q/k/v projections (+ optional biases) with RoPE, and the output projection (never biased)."""
+
+  def __init__(self, cfg: ModelConfig, *, init_std: float, rngs: nnx.Rngs):
+    d, n, k, h, wd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.weight_dtype
+    bias = "zeros" if cfg.qkv_bias else None
+    self.dtype = cfg.compute_dtype
+    # A tuple of Python floats (exact float32 values): static, hashable module data, unlike an array.
+    self.inv_freq_h = tuple(float(f) for f in rope_inv_freq(cfg))
+    self.q_proj = Projection(rngs, init_std, (d, n, h), ("embed", "q_heads", "head_dim"), wd, bias)
+    self.k_proj = Projection(rngs, init_std, (d, k, h), ("embed", "kv_heads", "head_dim"), wd, bias)
+    self.v_proj = Projection(rngs, init_std, (d, k, h), ("embed", "kv_heads", "head_dim"), wd, bias)
+    self.o_proj = Projection(rngs, init_std, (n, h, d), ("q_heads", "head_dim", "embed"), wd, None)
+
+  def qkv(self, x_btd: jax.Array, positions_bt: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns q [B,T,N,H] and k, v [B,T,K,H] in the compute dtype, RoPE applied to q and k."""
+    q_btnh = self.q_proj(x_btd, "BTD,DNH->BTNH", self.dtype)
+    k_btkh = self.k_proj(x_btd, "BTD,DKH->BTKH", self.dtype)
+    v_btkh = self.v_proj(x_btd, "BTD,DKH->BTKH", self.dtype)
+    return (apply_rope(q_btnh, positions_bt, self.inv_freq_h),
+            apply_rope(k_btkh, positions_bt, self.inv_freq_h), v_btkh)
+
+  def out(self, attn_btnh: jax.Array) -> jax.Array:
+    return self.o_proj(attn_btnh, "BTNH,NHD->BTD", self.dtype)
+
+
+class Projection(nnx.Module):
+  """One einsum kernel ~ N(0, std) with an optional bias over the output axes (bias_init=None: no bias)."""
+
+  def __init__(self, rngs, std, shape, axes, dtype, bias_init):
+    self.kernel = make_param(rngs, "normal", shape, axes, dtype, std)
+    if bias_init is not None:
+      self.bias = make_param(rngs, bias_init, shape[1:], axes[1:], dtype)
+
+  def __call__(self, x: jax.Array, spec: str, dtype) -> jax.Array:
+    y = jnp.einsum(spec, x.astype(dtype), self.kernel[...].astype(dtype))
+    if hasattr(self, "bias"):
+      y = y + self.bias[...].astype(dtype)
+    return y
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, init_std: float, rngs: nnx.Rngs):
+    d, f, wd = cfg.hidden_size, cfg.intermediate_size, cfg.weight_dtype
+    self.dtype = cfg.compute_dtype
+    self.gate_proj = Projection(rngs, init_std, (d, f), ("embed", "mlp"), wd, None)
+    self.up_proj = Projection(rngs, init_std, (d, f), ("embed", "mlp"), wd, None)
+    self.down_proj = Projection(rngs, init_std, (f, d), ("mlp", "embed"), wd, None)
+
+  def __call__(self, x_btd: jax.Array) -> jax.Array:
+    gate_btf = self.gate_proj(x_btd, "BTD,DF->BTF", self.dtype)
+    up_btf = self.up_proj(x_btd, "BTD,DF->BTF", self.dtype)
+    return self.down_proj(jax.nn.silu(gate_btf) * up_btf, "BTF,FD->BTD", self.dtype)
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+  `__call__` attends over the block's own keys; `with_cache` first writes them into a stacked KV cache
+  and attends over that layer's cache entries instead (prefill and decode share it).
+  """
+
+  def __init__(self, cfg: ModelConfig, *, init_std: float, rngs: nnx.Rngs):
+    self.input_norm = RMSNorm(cfg, rngs=rngs)
+    self.attn = Attention(cfg, init_std=init_std, rngs=rngs)
+    self.post_attn_norm = RMSNorm(cfg, rngs=rngs)
+    self.mlp = MLP(cfg, init_std=init_std, rngs=rngs)
+
+  def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, mask_btt: jax.Array) -> jax.Array:
+    q_btnh, k_btkh, v_btkh = self.attn.qkv(self.input_norm(x_btd), positions_bt)
+    x_btd = x_btd + self.attn.out(attend(q_btnh, k_btkh, v_btkh, mask_btt))
+    return x_btd + self.mlp(self.post_attn_norm(x_btd))
+
+  def with_cache(self, x_btd, positions_bt, mask_bts, cache, layer: int, write_bt):
+    """Like `__call__`, reading and writing layer `layer` of `cache` ({'k','v'}: [L,B,S,K,H])."""
+    q_btnh, k_btkh, v_btkh = self.attn.qkv(self.input_norm(x_btd), positions_bt)
+    cache = {name: write_rows(cache[name], layer, write_bt, new)
+             for name, new in (("k", k_btkh), ("v", v_btkh))}
+    attn_btnh = attend(q_btnh, cache["k"][layer].astype(q_btnh.dtype),
+                       cache["v"][layer].astype(q_btnh.dtype), mask_bts)
+    x_btd = x_btd + self.attn.out(attn_btnh)
+    return x_btd + self.mlp(self.post_attn_norm(x_btd)), cache
+
+
+def write_rows(cache_lbskh: jax.Array, layer: int, write_bt: jax.Array, new_btkh: jax.Array) -> jax.Array:
+  """Scatters new_btkh[b, t] to cache[layer, b, write_bt[b, t]]; out-of-range indices are dropped."""
+  rows_bt = jnp.broadcast_to(jnp.arange(write_bt.shape[0])[:, None], write_bt.shape)
+  return cache_lbskh.at[layer, rows_bt, write_bt].set(new_btkh.astype(cache_lbskh.dtype), mode="drop")

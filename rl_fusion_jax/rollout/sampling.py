@@ -1,0 +1,69 @@
+"""Token sampling: pure functions on logits (temperature, top-k, top-p) with per-sample random streams.
+
+The behaviour log-probability of a sampled token is ``log_softmax(logits / temperature)[token]``: the
+policy the learner differentiates is the temperature-scaled model, and top-k / top-p are treated as
+truncations of the sampler that the log-probs do not include (the common convention; the ratio in the
+loss is then exactly 1 on-policy). With temperature 0, sampling is greedy and log-probs use temperature 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  temperature: float = 1.0
+  top_k: int = 0        # 0: off
+  top_p: float = 1.0    # 1.0: off
+
+  def __post_init__(self):
+    if self.temperature < 0:
+      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+  @property
+  def logprob_temperature(self) -> float:
+    return self.temperature if self.temperature > 0 else 1.0
+
+
+def sample_keys(rng: jax.Array, sample_ids_b: jax.Array, token_index_b: jax.Array) -> jax.Array:
+  """One key per row from (rng, sample id, token index): independent of slot and batch position."""
+  per_sample = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, sample_ids_b)
+  return jax.vmap(jax.random.fold_in)(per_sample, token_index_b)
+
+
+def truncate_logits(logits_bv: jax.Array, top_k: int, top_p: float) -> jax.Array:
+  """Sets logits outside the top-k / nucleus (top-p) set to -inf; always keeps the argmax."""
+  neg_inf = jnp.finfo(logits_bv.dtype).min
+  if top_k > 0 and top_k < logits_bv.shape[-1]:
+    kth = jax.lax.top_k(logits_bv, top_k)[0][..., -1:]
+    logits_bv = jnp.where(logits_bv < kth, neg_inf, logits_bv)
+  if top_p < 1.0:
+    sorted_bv = jnp.sort(logits_bv, axis=-1)[..., ::-1]
+    probs_bv = jax.nn.softmax(sorted_bv, axis=-1)
+    # Keep a token while the mass strictly before it is < top_p (so the first token is always kept).
+    mass_before_bv = jnp.cumsum(probs_bv, axis=-1) - probs_bv
+    keep_bv = mass_before_bv < top_p
+    threshold_b1 = jnp.min(jnp.where(keep_bv, sorted_bv, jnp.inf), axis=-1, keepdims=True)
+    logits_bv = jnp.where(logits_bv < threshold_b1, neg_inf, logits_bv)
+  return logits_bv
+
+
+def sample(logits_bv: jax.Array, keys_b: jax.Array, params: SamplingParams):
+  """Samples one token per row; returns (tokens_b int32, behaviour logp_b float32)."""
+  logits_bv = logits_bv.astype(jnp.float32)
+  scaled_bv = logits_bv / params.logprob_temperature
+  if params.temperature == 0:
+    tokens_b = jnp.argmax(logits_bv, axis=-1)
+  else:
+    truncated_bv = truncate_logits(scaled_bv, params.top_k, params.top_p)
+    tokens_b = jax.vmap(jax.random.categorical)(keys_b, truncated_bv)
+  logp_bv = jax.nn.log_softmax(scaled_bv, axis=-1)
+  logp_b = jnp.take_along_axis(logp_bv, tokens_b[:, None], axis=-1)[:, 0]
+  return tokens_b.astype(jnp.int32), logp_b

@@ -1,0 +1,46 @@
+"""TrainState (params, optimizer state, policy version), the optimizer, and their shardings."""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from rl_fusion_jax.config import OptimConfig
+from rl_fusion_jax.sharding.mesh import replicated
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array               # int32: optimizer updates applied
+  params: dict
+  opt_state: optax.OptState
+  policy_version: jax.Array     # int32: the version stamped on tokens generated with these params
+
+
+def make_optimizer(cfg: OptimConfig, learning_rate: float | None = None) -> optax.GradientTransformation:
+  """Global-norm clipping then AdamW with a linear warm-up."""
+  lr = cfg.learning_rate if learning_rate is None else learning_rate
+  schedule = (optax.linear_schedule(0.0, lr, cfg.warmup_steps) if cfg.warmup_steps
+              else optax.constant_schedule(lr))
+  adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
+  return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip else adamw
+
+
+def state_shardings(tx: optax.GradientTransformation, abstract_params, param_shardings, mesh: Mesh):
+  """Shardings of a TrainState: optimizer moments follow their parameters, counters replicate."""
+  abstract_opt = jax.eval_shape(tx.init, abstract_params)
+  opt_shardings = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_shardings,
+                                        transform_non_params=lambda _: replicated(mesh))
+  rep = replicated(mesh)
+  return TrainState(step=rep, params=param_shardings, opt_state=opt_shardings, policy_version=rep)
+
+
+def create_train_state(params, tx: optax.GradientTransformation, shardings: TrainState,
+                       policy_version: int = 0) -> TrainState:
+  """Builds the state on device with the given shardings (the optimizer state is created in place)."""
+  def init(params):
+    return TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params),
+                      policy_version=jnp.int32(policy_version))
+  return jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings)(params)

@@ -1,0 +1,149 @@
+"""The jitted update steps: ``train_step(state, batch) -> (state, metrics)`` for RL and for SFT warm-up.
+
+Each is compiled once with explicit in/out shardings and the state donated. Gradients accumulate over
+micro-batches in a ``lax.scan``; the loss aggregation is expressed as per-token weights computed on the
+whole batch first (``algorithms.token_weights``), so accumulation gives exactly the full-batch gradient.
+Micro-batches take every M-th row, so each device's shard contributes equally to every micro-batch.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from rl_fusion_jax import algorithms, models
+from rl_fusion_jax.algorithms import registry
+from rl_fusion_jax.config import AlgoConfig
+from rl_fusion_jax.sharding.mesh import BATCH_AXES, batch_sharding, replicated
+from rl_fusion_jax.train.logprobs import token_logprobs
+from rl_fusion_jax.train.state import TrainState
+from rl_fusion_jax.types import TrainBatch
+
+# loss_fn(params, micro_batch, weights_bt) -> (loss, metric_sums); metric sums add over micro-batches.
+LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+
+
+def split_micro_batches(tree, num_micro: int, mesh: Mesh):
+  """[B, ...] -> [M, B/M, ...], micro-batch m holding rows m, m+M, m+2M, ..."""
+  def split(x):
+    x = x.reshape(x.shape[0] // num_micro, num_micro, *x.shape[1:]).swapaxes(0, 1)
+    spec = P(None, BATCH_AXES, *([None] * (x.ndim - 2)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  return jax.tree.map(split, tree)
+
+
+def _accumulate(loss_fn: LossFn, params, batch, weights_bt, num_micro: int, mesh: Mesh):
+  """Sum of gradients and metric sums over micro-batches (weights are global, so sums are exact)."""
+  grad_fn = jax.grad(loss_fn, has_aux=True)
+  if num_micro == 1:
+    return grad_fn(params, batch, weights_bt)
+  micro = split_micro_batches((batch, weights_bt), num_micro, mesh)
+
+  def body(carry, mb):
+    grads, sums = grad_fn(params, *mb)
+    return jax.tree.map(jnp.add, carry, (grads, sums)), None
+
+  zero = jax.eval_shape(grad_fn, params, *jax.tree.map(lambda x: x[0], micro))
+  zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero)
+  (grads, sums), _ = jax.lax.scan(body, zero, micro)
+  return grads, sums
+
+
+def update(loss_fn: LossFn, tx: optax.GradientTransformation, num_micro: int, mesh: Mesh,
+           state: TrainState, batch, weights_bt, bump_version: bool):
+  grads, sums = _accumulate(loss_fn, state.params, batch, weights_bt, num_micro, mesh)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  sums["grad_norm"] = optax.global_norm(grads)
+  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                            policy_version=state.policy_version + int(bump_version))
+  return new_state, sums
+
+
+# ----------------------------------------------------------------------------------------------------
+# RL (GRPO / PPO-clip) and SFT losses. ``weights`` = (loss weights, metric weights), both [B, T] and both
+# normalised over the whole batch; metric weights are token-mean (mask / tokens), so metric sums read as
+# per-token averages whatever the loss aggregation.
+# ----------------------------------------------------------------------------------------------------
+
+def rl_loss(model_cfg: models.ModelConfig, algo: AlgoConfig, temperature: float,
+            params, batch: TrainBatch, weights):
+  """Policy loss + optional KL and entropy terms, aggregated with the precomputed token weights."""
+  loss_w_bt, metric_w_bt = weights
+  logp_bt, entropy_bt = token_logprobs(model_cfg, params, batch.tokens_bt, temperature, with_entropy=True)
+  policy_loss = registry.get_policy_loss(algo.policy_loss)
+  loss_bt, stats = policy_loss(logp_bt, batch.behaviour_logp_bt, batch.advantages_b,
+                               clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip)
+  metrics_bt = {"entropy": entropy_bt, "clip_frac": stats["clipped"], "ratio": stats["ratio"]}
+  if algo.needs_reference:
+    metrics_bt["kl"] = registry.get_kl_estimator(algo.kl_estimator)(logp_bt, batch.ref_logp_bt)
+    if algo.kl_mode == "loss":
+      loss_bt = loss_bt + algo.kl_coef * metrics_bt["kl"]
+  if algo.entropy_coef:
+    loss_bt = loss_bt - algo.entropy_coef * entropy_bt
+  loss = algorithms.weighted_sum(loss_bt, loss_w_bt)
+  sums = {"loss": loss}
+  for name, value_bt in metrics_bt.items():
+    sums[name] = jnp.sum(jax.lax.stop_gradient(value_bt) * metric_w_bt)
+  return loss, sums
+
+
+def sft_loss(model_cfg: models.ModelConfig, params, batch, weights):
+  """Token-level cross-entropy on the masked (target) tokens of ``batch = (tokens_bt, mask_bt)``."""
+  tokens_bt, _ = batch
+  loss_w_bt, _ = weights
+  logp_bt = token_logprobs(model_cfg, params, tokens_bt)
+  loss = -jnp.sum(logp_bt * loss_w_bt)
+  return loss, {"loss": loss}
+
+
+def _metric_weights(mask_bt):
+  return mask_bt / jnp.maximum(jnp.sum(mask_bt), 1.0)
+
+
+def rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, num_micro: int, mesh: Mesh, norm_len: int,
+            state: TrainState, batch: TrainBatch):
+  loss_w_bt = algorithms.token_weights(batch.mask_bt, algo.aggregation, norm_len=norm_len)
+  weights = (loss_w_bt, _metric_weights(batch.mask_bt))
+  loss_fn = functools.partial(rl_loss, model_cfg, algo, temperature)
+  return update(loss_fn, tx, num_micro, mesh, state, batch, weights, bump_version=True)
+
+
+def sft_step(model_cfg, tx, num_micro: int, mesh: Mesh, state: TrainState, tokens_bt, mask_bt):
+  weights = (_metric_weights(mask_bt), _metric_weights(mask_bt))
+  loss_fn = functools.partial(sft_loss, model_cfg)
+  return update(loss_fn, tx, num_micro, mesh, state, (tokens_bt, mask_bt), weights, bump_version=False)
+
+
+def batch_shardings(mesh: Mesh) -> TrainBatch:
+  b1, b2 = batch_sharding(mesh, 1), batch_sharding(mesh, 2)
+  return TrainBatch(tokens_bt=b2, mask_bt=b2, advantages_b=b1, behaviour_logp_bt=b2, ref_logp_bt=b2,
+                    version_bt=b2)
+
+
+def make_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, num_micro: int, mesh: Mesh,
+                 norm_len: int, shardings: TrainState):
+  """``train_step(state, batch) -> (state, metrics)``, compiled once, state donated."""
+  fn = functools.partial(rl_step, model_cfg, algo, temperature, tx, num_micro, mesh, norm_len)
+  return jax.jit(fn, in_shardings=(shardings, batch_shardings(mesh)),
+                 out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
+
+
+def make_sft_step(model_cfg, tx, num_micro: int, mesh: Mesh, shardings: TrainState):
+  """``sft_step(state, tokens_bt, mask_bt) -> (state, metrics)``, compiled once, state donated."""
+  b2 = batch_sharding(mesh, 2)
+  fn = functools.partial(sft_step, model_cfg, tx, num_micro, mesh)
+  return jax.jit(fn, in_shardings=(shardings, b2, b2), out_shardings=(shardings, replicated(mesh)),
+                 donate_argnums=(0,))
+
+
+def make_logprob_fn(model_cfg, temperature: float, mesh: Mesh, param_shardings):
+  """``fn(params, tokens_bt) -> logp_bt`` (e.g. reference-policy log-probs), compiled once."""
+  b2 = batch_sharding(mesh, 2)
+  fn = functools.partial(token_logprobs, model_cfg, temperature=temperature)
+  return jax.jit(lambda params, tokens_bt: fn(params, tokens_bt),
+                 in_shardings=(param_shardings, b2), out_shardings=b2)

@@ -1,0 +1,31 @@
+"""Packaging for rl_fusion_jax."""
+import setuptools
+
+setuptools.setup(
+    name="rl_fusion_jax",
+    version="0.1.0",
+    description="JAX-native RL post-training of LLMs (GRPO, PPO) with co-located training and generation.",
+    packages=setuptools.find_packages(include=["rl_fusion_jax", "rl_fusion_jax.*"]),
+    package_data={"rl_fusion_jax": ["testing/*.jsonl", "testing/hf_fixtures/*/*"]},
+    python_requires=">=3.11",
+    install_requires=[
+        "jax>=0.10.2",
+        "flax>=0.12.8",
+        "optax>=0.2.8",
+        "orbax-checkpoint>=0.12.8",
+        "chex>=0.1.92",
+        "absl-py>=2.1",
+        "ml-collections>=1.1.0",
+        "safetensors>=0.4",
+        "tokenizers>=0.20",
+        "numpy>=1.26",
+        "jaxtyping>=0.2.36",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6.100"],
+        # Reference fixtures only (experiments/make_hf_fixtures.py); never imported by the package.
+        "fixtures": ["torch>=2.3", "transformers>=4.45"],
+        "tensorboard": ["tensorboardX>=2.6"],
+        "plot": ["matplotlib>=3.8"],
+    },
+)

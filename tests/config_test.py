@@ -1,0 +1,98 @@
+"""Every experiment config loads into the typed config; typos and bad values fail naming the field."""
+import glob
+import importlib.util
+import os
+
+import pytest
+
+from rl_fusion_jax import config as config_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "experiments", "configs", "*.py")))
+
+
+def load(path, arg=""):
+  spec = importlib.util.spec_from_file_location("cfg_" + os.path.basename(path)[:-3], path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def variants(path):
+  """The ablation variants a config's docstring names as `:name`."""
+  spec = importlib.util.spec_from_file_location("doc", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  doc = module.__doc__ or ""
+  import re
+  return sorted(set(re.findall(r"\.py:(\w+)", doc)) | set(re.findall(r"``:(\w+)``", doc)))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_every_config_and_variant_loads(path):
+  assert CONFIGS, "no configs found"
+  for arg in [""] + variants(path):
+    cfg = config_lib.experiment_from_dict(load(path, arg))
+    cfg.check_devices(8)
+    assert cfg.rollout.batch_size % cfg.rollout.group_size == 0
+
+
+def base():
+  return load(os.path.join(ROOT, "experiments", "configs", "arithmetic.py"))
+
+
+@pytest.mark.parametrize("path,value,match", [
+    ("rollout.temprature", 1.0, "config.rollout.temprature"),
+    ("model.hiden_size", 3, "config.model.hiden_size"),
+    ("nonsense", 1, "config.nonsense"),
+])
+def test_unknown_fields_are_named(path, value, match):
+  c = base().to_dict()
+  node = c
+  *parents, leaf = path.split(".")
+  for p in parents:
+    node = node[p]
+  node[leaf] = value
+  with pytest.raises(ValueError, match=match.replace(".", r"\.")):
+    config_lib.experiment_from_dict(c)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("algo.policy_loss", "ppo_clipp", "algo.policy_loss"),
+    ("algo.advantage", "gpro", "algo.advantage"),
+    ("algo.aggregation", "mean", "algo.aggregation"),
+    ("rollout.top_p", 0.0, "rollout.top_p"),
+    ("rollout.max_new_tokens", 0, "rollout.max_new_tokens"),
+    ("optim.micro_batches", 3, "optim.micro_batches"),
+    ("mesh.tensor", 0, "mesh.tensor"),
+    ("model.num_kv_heads", 3, "num_kv_heads"),
+    ("rollout.max_new_tokens", 500, "max_position_embeddings"),
+])
+def test_bad_values_are_named(field, value, match):
+  c = base()
+  section, name = field.split(".")
+  c[section][name] = value
+  with pytest.raises(ValueError, match=match):
+    config_lib.experiment_from_dict(c)
+
+
+def test_device_checks():
+  cfg = config_lib.experiment_from_dict(base())
+  assert cfg.check_devices(8) == {"data": 8, "fsdp": 1, "tensor": 1}
+  c = base()
+  c.rollout.num_prompts, c.rollout.group_size = 3, 2     # 6 sequences over 4 devices
+  c.task.eval_problems = 8
+  with pytest.raises(ValueError, match="rollout.num_prompts"):
+    config_lib.experiment_from_dict(c).check_devices(4)
+  c = base()
+  c.mesh.data = 3
+  with pytest.raises(ValueError, match="config.mesh"):
+    config_lib.experiment_from_dict(c).check_devices(8)
+
+
+def test_as_dict_round_trips():
+  cfg = config_lib.experiment_from_dict(base())
+  plain = config_lib.as_dict(cfg)
+  model = plain.pop("model")
+  plain["model"] = {**model["config"], "hf_path": model["hf_path"], "init_std": model["init_std"]}
+  assert config_lib.experiment_from_dict(plain) == cfg

@@ -1,0 +1,35 @@
+"""Pulse: the real binary, 2 GRPO steps of the main config, on the CPU default (one device per core)."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_grpo_main_runs_two_steps(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  workdir = tmp_path / "run"
+  cmd = [sys.executable, os.path.join(ROOT, "experiments", "grpo_main.py"),
+         "--config=" + os.path.join(ROOT, "experiments", "configs", "arithmetic.py"),
+         f"--workdir={workdir}", "--config.run.steps=2", "--config.warmup.steps=2",
+         "--config.task.eval_problems=16"]
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert "accuracy before RL" in proc.stdout
+  lines = [json.loads(l) for l in open(workdir / "metrics.jsonl")]
+  assert [l["step"] for l in lines if "loss" in l] == [1, 2]
+  summary = json.load(open(workdir / "summary.json"))
+  assert 0.0 <= summary["accuracy_after"] <= 1.0
+  config = json.load(open(workdir / "config.json"))
+  assert config["run"]["steps"] == 2
+
+
+def test_grpo_main_rejects_config_typo(tmp_path):
+  cmd = [sys.executable, os.path.join(ROOT, "experiments", "grpo_main.py"),
+         "--config=" + os.path.join(ROOT, "experiments", "configs", "arithmetic.py"),
+         f"--workdir={tmp_path / 'run'}", "--config.rollout.temprature=0.5"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0
+  assert "temprature" in proc.stderr
+  assert not (tmp_path / "run").exists()
