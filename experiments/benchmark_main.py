@@ -37,7 +37,7 @@ def main(argv):
   setup = loop.validate(cfg, jax.device_count())
   mesh = mesh_lib.make_mesh(cfg.mesh)
   programs = loop.Programs(cfg, mesh, setup.tokenizer)
-  params = loop.init_policy(cfg, programs)
+  params = loop.init_policy(setup, programs)
   ref = jax.tree.map(lambda x: x.copy(), params) if cfg.algo.needs_reference else None
   state = state_lib.create_train_state(params, programs.tx, programs.state_shardings)
   rng = jax.random.key(cfg.run.seed)

@@ -257,6 +257,29 @@ def to_plain(value: Any) -> Any:
   return value
 
 
+def _model_from_checkpoint(hf_path: str, given: Mapping[str, Any]) -> ModelConfig:
+  """The architecture comes from ``hf_path/config.json``; given fields must agree with it.
+
+  Only the compute ``dtype`` may differ from the checkpoint. Anything else that disagrees is an error
+  naming the field, so a config never silently describes a different model than the one it loads.
+  """
+  from rl_fusion_jax.models import hf_io  # deferred: reads files
+  try:
+    ckpt = hf_io.read_config(hf_path)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"config.model.hf_path: {e}") from e
+  unknown = sorted(set(given) - {f.name for f in dataclasses.fields(ModelConfig)})
+  if unknown:
+    raise ValueError(f"unknown config field(s) {', '.join('config.model.' + k for k in unknown)}")
+  overrides = {"dtype": given["dtype"]} if "dtype" in given else {}
+  cfg = dataclasses.replace(ckpt, **overrides)
+  for name, value in given.items():
+    if name != "dtype" and getattr(cfg, name) != value:
+      raise ValueError(f"config.model.{name}={value!r} disagrees with {hf_path}/config.json "
+                       f"({getattr(cfg, name)!r}); drop the field or fix it")
+  return cfg
+
+
 def experiment_from_dict(config: Mapping[str, Any]) -> ExperimentConfig:
   """Builds the typed experiment config; every error names the offending ``config.<path>``."""
   values = to_plain(config)
@@ -264,7 +287,10 @@ def experiment_from_dict(config: Mapping[str, Any]) -> ExperimentConfig:
   source = {k: model.pop(k) for k in ("hf_path", "init_std") if k in model}
   if "rope_scaling" in model and isinstance(model["rope_scaling"], Mapping):
     model["rope_scaling"] = tuple(sorted(model["rope_scaling"].items()))
-  model_cfg = _from_mapping(ModelConfig, model, "config.model")
+  if source.get("hf_path"):
+    model_cfg = _model_from_checkpoint(source["hf_path"], model)
+  else:
+    model_cfg = _from_mapping(ModelConfig, model, "config.model")
   kwargs = {"model": ModelSource(config=model_cfg, **source)}
   for name, sub in values.items():
     field_types = typing.get_type_hints(ExperimentConfig)

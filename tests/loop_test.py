@@ -1,6 +1,8 @@
 """The GRPO loop end to end on 8 devices: bad input fails before anything is written; resume is exact."""
+import dataclasses
 import json
 import os
+import shutil
 
 import pytest
 
@@ -84,3 +86,45 @@ def test_checkpoint_seed_mismatch_is_refused(tmp_path):
   loop.run(tiny(**{"run.steps": 1}), workdir)
   with pytest.raises(ValueError, match="seed"):
     loop.run(tiny(**{"run.seed": 5}), workdir)
+
+
+FIXTURES = os.path.join(ROOT, "rl_fusion_jax", "testing", "hf_fixtures")
+
+
+def hf_config(path, **overrides):
+  """tiny() with the model read from an HF folder (only hf_path given)."""
+  c = config_lib.as_dict(tiny())
+  c["model"] = {"hf_path": path}
+  c.update(overrides)
+  return c
+
+
+def test_run_from_hf_checkpoint(tmp_path):
+  cfg = config_lib.experiment_from_dict(hf_config(os.path.join(FIXTURES, "qwen2_f32")))
+  assert cfg.model.config.vocab_size == 96 and cfg.model.config.model_type == "qwen2"
+  summary = loop.run(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, steps=1)),
+                     str(tmp_path / "run"))
+  assert 0 <= summary["accuracy_after"] <= 1
+
+
+def test_hf_config_disagreement_is_named():
+  c = hf_config(os.path.join(FIXTURES, "qwen2_f32"))
+  c["model"]["hidden_size"] = 7
+  with pytest.raises(ValueError, match="config.model.hidden_size=7 disagrees"):
+    config_lib.experiment_from_dict(c)
+
+
+def test_malformed_hf_checkpoint_fails_before_writing(tmp_path):
+  bad = tmp_path / "bad_model"
+  shutil.copytree(os.path.join(FIXTURES, "qwen2_f32"), bad)
+  (bad / "config.json").write_text("{not json")
+  with pytest.raises(ValueError, match="config.json: malformed JSON"):
+    config_lib.experiment_from_dict(hf_config(str(bad)))
+  # Valid config.json but a truncated weights file: caught by validate() before the workdir exists.
+  shutil.copy(os.path.join(FIXTURES, "qwen2_f32", "config.json"), bad / "config.json")
+  weights = bad / "model.safetensors"
+  weights.write_bytes(weights.read_bytes()[:1000])
+  cfg = config_lib.experiment_from_dict(hf_config(str(bad)))
+  with pytest.raises(ValueError, match="model.safetensors"):
+    loop.run(cfg, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()

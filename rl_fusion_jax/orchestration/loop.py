@@ -51,13 +51,18 @@ class Setup:
   warmup_task: Any
   eval_task: Any
   mesh_sizes: dict
+  hf_params: Any = None     # host weights read from config.model.hf_path, if set
 
 
 def validate(cfg: ExperimentConfig, num_devices: int) -> Setup:
   """Every check that needs no compile: mesh, tokenizer, tasks, vocab, prompt lengths, checkpoint."""
   sizes = cfg.check_devices(num_devices)
-  if cfg.model.hf_path and not os.path.isdir(cfg.model.hf_path):
-    raise ValueError(f"config.model.hf_path: {cfg.model.hf_path!r} is not a folder")
+  hf_params = None
+  if cfg.model.hf_path:
+    try:   # weights are read now (host memory), so a broken checkpoint fails before anything is written
+      _, hf_params = models.load_hf(cfg.model.hf_path)
+    except (OSError, ValueError) as e:
+      raise ValueError(f"config.model.hf_path: {e}") from e
   try:
     tokenizer = load_tokenizer(cfg.task.tokenizer, vocab_size=cfg.model.config.vocab_size)
   except ValueError as e:
@@ -74,7 +79,7 @@ def validate(cfg: ExperimentConfig, num_devices: int) -> Setup:
     data.encode_prompts(tokenizer, problems, cfg.rollout.max_prompt_len)
     if task is tasks[1] and cfg.warmup.steps:
       data.encode_sft(tokenizer, problems, cfg.rollout.seq_len)
-  return Setup(cfg, tokenizer, tasks[0], tasks[1], tasks[2], sizes)
+  return Setup(cfg, tokenizer, tasks[0], tasks[1], tasks[2], sizes, hf_params)
 
 
 def _write_json_atomic(path: str, obj: Any) -> None:
@@ -168,15 +173,13 @@ def warmup(setup: Setup, programs: Programs, params):
   return state.params
 
 
-def init_policy(cfg: ExperimentConfig, programs: Programs):
-  if cfg.model.hf_path:
-    loaded_cfg, params = models.load_hf(cfg.model.hf_path)
-    if dataclasses.replace(loaded_cfg, dtype=cfg.model.config.dtype) != cfg.model.config:
-      raise ValueError(f"config.model does not match {cfg.model.hf_path}/config.json: {loaded_cfg}")
-  else:
-    params = jax.jit(lambda k: models.init_params(cfg.model.config, k, init_std=cfg.model.init_std),
-                     out_shardings=programs.param_shardings)(jax.random.key(cfg.run.seed))
-  return jax.device_put(params, programs.param_shardings)
+def init_policy(setup: Setup, programs: Programs):
+  """The starting params on the training layout: the HF weights, or a seeded random init."""
+  cfg = setup.cfg
+  if setup.hf_params is not None:
+    return jax.device_put(setup.hf_params, programs.param_shardings)
+  init = lambda k: models.init_params(cfg.model.config, k, init_std=cfg.model.init_std)
+  return jax.jit(init, out_shardings=programs.param_shardings)(jax.random.key(cfg.run.seed))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -260,7 +263,7 @@ def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False) -> di
     start, before = int(meta["step"]), meta["eval_before"]
     logging.info("resumed from step %d (%s)", start, ckpt.directory)
   else:
-    params = warmup(setup, programs, init_policy(cfg, programs))
+    params = warmup(setup, programs, init_policy(setup, programs))
     before = evaluate(setup, programs, params)
     logging.info("before RL: accuracy %.3f format %.3f", before["accuracy"], before["format_rate"])
     writer.write(0, {f"eval/{k}": v for k, v in before.items()})
