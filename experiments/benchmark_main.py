@@ -23,6 +23,22 @@ _CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/rl_fusion_jax/jax_ca
 flags.mark_flags_as_required(["config"])
 
 
+def model_flops(cfg, response_len_mean: float) -> dict[str, float]:
+  """Matmul FLOPs per step (2 per multiply-add; training = 3x forward), attention excluded.
+
+  Generation runs every prompt position once (prefill) and one position per generated token; the
+  update runs forward + backward over all B x (T - 1) positions.
+  """
+  m, r = cfg.model.config, cfg.rollout
+  n_kv, hd = m.num_kv_heads, m.head_dim
+  per_layer = (m.hidden_size * hd * (2 * m.num_heads + 2 * n_kv)
+               + 3 * m.hidden_size * m.intermediate_size)
+  matmul_params = m.num_layers * per_layer + m.hidden_size * m.vocab_size
+  gen_tokens = r.batch_size * (r.max_prompt_len + response_len_mean)
+  train_tokens = r.batch_size * (r.seq_len - 1)
+  return {"generate": 2 * matmul_params * gen_tokens, "train": 6 * matmul_params * train_tokens}
+
+
 def main(argv):
   del argv
   t_start = time.perf_counter()
@@ -30,35 +46,45 @@ def main(argv):
   cfg = config_lib.experiment_from_dict(_CONFIG.value)
   common.setup_jax(cfg.mesh.cpu_devices, _CACHE.value)
   import jax
-  from rl_fusion_jax.orchestration import loop
-  from rl_fusion_jax.sharding import mesh as mesh_lib
+  from rl_fusion_jax.orchestration import phases, setup as setup_lib
+  from rl_fusion_jax.orchestration.programs import Programs
+  from rl_fusion_jax.timeline import Timeline
   from rl_fusion_jax.train import state as state_lib
 
-  setup = loop.validate(cfg, jax.device_count())
-  mesh = mesh_lib.make_mesh(cfg.mesh)
-  programs = loop.Programs(cfg, mesh, setup.tokenizer)
-  params = loop.init_policy(setup, programs)
-  ref = jax.tree.map(lambda x: x.copy(), params) if cfg.algo.needs_reference else None
+  setup = setup_lib.validate(cfg, jax.device_count())
+  programs = Programs(setup)
+  mesh = programs.mesh
+  params = phases.init_policy(setup, programs)
+  ref = programs.deployment.place_aux(jax.tree.map(lambda x: x.copy(), params)) \
+      if cfg.algo.needs_reference else None
   state = state_lib.create_train_state(params, programs.tx, programs.state_shardings)
-  rng = jax.random.key(cfg.run.seed)
+  programs.deployment.publish(state.params)
+  timeline = Timeline()
+  for name, ids in programs.deployment.groups.items():
+    timeline.add_group(name, ids)
   t0 = time.perf_counter()
-  state, first = loop.rl_step(setup, programs, state, ref, 0, rng)
+  state, first = phases.rl_step(setup, programs, state, ref, 0, timeline)
   first_s = time.perf_counter() - t0
   rows = []
   for step in range(1, 1 + _WARMUP.value + _STEPS.value):
-    state, m = loop.rl_step(setup, programs, state, ref, step, rng)
+    state, m = phases.rl_step(setup, programs, state, ref, step, timeline)
     if step > _WARMUP.value:
       rows.append(m)
+  for r in rows:
+    r["overhead_s"] = r["step_s"] - r["generate_s"] - r["train_s"]
   med = lambda k: statistics.median(r[k] for r in rows)
   step_s, gen_s, train_s = med("step_s"), med("generate_s"), med("train_s")
+  flops = model_flops(cfg, med("response_len_mean"))
   out = {
       "config": cfg.model.config.model_type, "devices": jax.device_count(),
       "platform": jax.devices()[0].platform, "mesh": dict(mesh.shape), "steps": len(rows),
       "median_step_s": round(step_s, 4), "first_step_s": round(first_s, 3),
       "startup_s": round(t0 - t_start, 3),
       "generate_s": round(gen_s, 4), "train_s": round(train_s, 4),
-      "overhead_s": round(med("reward_s") + med("ref_s") + (step_s - gen_s - train_s
-                                                             - med("reward_s") - med("ref_s")), 4),
+      "overhead_s": round(med("overhead_s"), 4),
+      "reward_s": round(med("reward_s"), 4), "ref_s": round(med("ref_s"), 4),
+      "generate_gflop_per_s": round(flops["generate"] / gen_s / 1e9, 1),
+      "train_gflop_per_s": round(flops["train"] / train_s / 1e9, 1),
       "generate_tokens_per_s": round(med("generate_tokens_per_s"), 1),
       "train_tokens_per_s": round(med("train_tokens_per_s"), 1),
       "response_len_mean": round(med("response_len_mean"), 2),

@@ -58,6 +58,44 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class FusionConfig:
+  """How training and generation share devices (RL Fusion) and how a phase switch moves state.
+
+  mode: ``colocated`` (actor training and generation on all devices, parameters resharded between a
+  training and a generation layout), ``full`` (colocated, plus reference and reward models on the same
+  devices, each on device only while it is used), ``separated`` (a rollout sub-mesh and a training
+  sub-mesh; new weights are sent to the rollout side after each update — the baseline).
+  """
+  mode: str = "colocated"
+  rollout_fraction: float = 0.5     # separated: share of the devices given to generation
+  bucket_bytes: int = 64 << 20      # reshard / offload bucket size
+  offload_optimizer: bool = True    # optimizer state to pinned_host while generating
+  # Overrides of single entries of the rule tables, e.g. (("embed", "fsdp"),) or (("mlp", None),).
+  train_rules: tuple = ()
+  generate_rules: tuple = ()
+
+  def __post_init__(self):
+    _require(self.mode in ("colocated", "separated", "full"), "fusion.mode",
+             f"must be 'colocated', 'separated' or 'full', got {self.mode!r}")
+    _require(0 < self.rollout_fraction < 1, "fusion.rollout_fraction",
+             f"must be in (0, 1), got {self.rollout_fraction}")
+    _require(isinstance(self.bucket_bytes, int) and self.bucket_bytes > 0, "fusion.bucket_bytes",
+             f"must be a positive int, got {self.bucket_bytes!r}")
+    for name in ("train_rules", "generate_rules"):
+      for rule in getattr(self, name):
+        _require(isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str),
+                 f"fusion.{name}", f"each rule is (logical_axis, mesh_axes), got {rule!r}")
+
+  def split(self, num_devices: int) -> tuple[int, int]:
+    """(rollout devices, training devices) in separated mode; raises if a side would be empty."""
+    rollout = int(round(num_devices * self.rollout_fraction))
+    if not 0 < rollout < num_devices:
+      raise ValueError(f"config.fusion.rollout_fraction={self.rollout_fraction} leaves a side empty "
+                       f"with {num_devices} devices ({rollout} rollout, {num_devices - rollout} train)")
+    return rollout, num_devices - rollout
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSource:
   """Where the policy comes from: a Hugging Face folder, or random init of ``config``."""
   config: ModelConfig
@@ -76,6 +114,10 @@ class TaskConfig:
   tokenizer: str = "char"     # 'char' or a path to tokenizer.json / a folder holding one
   eval_seed: int = 10_000     # the held-out problems come from a task built with this seed
   eval_problems: int = 128
+  # A learned reward model (rl_fusion_jax.models.reward_model checkpoint); its score, times the weight,
+  # is added to the verifier's reward. Accuracy metrics always come from the verifier.
+  reward_model: str = ""
+  reward_model_weight: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +130,14 @@ class RolloutConfig:
   temperature: float = 1.0
   top_k: int = 0            # 0 disables
   top_p: float = 1.0        # 1.0 disables
+  num_slots: int = 0        # engine slots sharing the KV cache (0: one per sample of a step)
+  chunk_steps: int = 16     # decode steps per engine call between refills
 
   def __post_init__(self):
-    for name in ("num_prompts", "group_size", "max_prompt_len", "max_new_tokens"):
+    _require(self.num_slots >= 0, "rollout.num_slots", f"must be >= 0, got {self.num_slots}")
+    _require(self.num_slots % self.group_size == 0, "rollout.num_slots",
+             f"{self.num_slots} is not a multiple of group_size {self.group_size}")
+    for name in ("num_prompts", "group_size", "max_prompt_len", "max_new_tokens", "chunk_steps"):
       _require(getattr(self, name) >= 1, f"rollout.{name}", f"must be >= 1, got {getattr(self, name)}")
     _require(self.temperature >= 0, "rollout.temperature", f"must be >= 0, got {self.temperature}")
     _require(self.top_k >= 0, "rollout.top_k", f"must be >= 0, got {self.top_k}")
@@ -103,6 +150,10 @@ class RolloutConfig:
   @property
   def seq_len(self) -> int:
     return self.max_prompt_len + self.max_new_tokens
+
+  @property
+  def slots(self) -> int:
+    return self.num_slots or self.batch_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +244,7 @@ class ExperimentConfig:
   """One experiment: a container of the subsystem configs plus the cross-field checks between them."""
   model: ModelSource
   mesh: MeshConfig = MeshConfig()
+  fusion: FusionConfig = FusionConfig()
   task: TaskConfig = TaskConfig()
   rollout: RolloutConfig = RolloutConfig()
   algo: AlgoConfig = AlgoConfig()
@@ -209,8 +261,26 @@ class ExperimentConfig:
              f"model.config.max_position_embeddings = {self.model.config.max_position_embeddings}")
 
   def check_devices(self, num_devices: int) -> dict[str, int]:
-    """Resolves the mesh and checks that every batch splits evenly over its batch axes."""
+    """Resolves the (training) mesh and checks that every batch splits evenly over its batch axes."""
+    rollout_shards = None
+    if self.fusion.mode == "separated":
+      rollout, num_devices = self.fusion.split(num_devices)
+      rollout_mesh = MeshConfig(data=-1, fsdp=1, tensor=self.mesh.tensor)
+      try:
+        rollout_sizes = rollout_mesh.resolve(rollout)
+      except ValueError as e:
+        raise ValueError(f"config.fusion.rollout_fraction: the rollout sub-mesh of {rollout} devices: {e}")
+      _require(self.rollout.batch_size % rollout_sizes["data"] == 0, "fusion.rollout_fraction",
+               f"the rollout batch of {self.rollout.batch_size} must divide over the rollout sub-mesh's "
+               f"{rollout_sizes['data']} data replicas")
+      rollout_shards = rollout_sizes["data"]
     sizes = self.mesh.resolve(num_devices)
+    rollout_shards = rollout_shards or sizes["data"] * sizes["fsdp"]
+    _require(self.rollout.slots % rollout_shards == 0, "rollout.num_slots",
+             f"{self.rollout.slots} slots do not divide over the generation mesh's {rollout_shards} "
+             "batch shards")
+    _require(self.task.eval_problems % rollout_shards == 0, "task.eval_problems",
+             f"must be divisible by the generation mesh's {rollout_shards} batch shards")
     batch_shards = sizes["data"] * sizes["fsdp"]
     per_micro = self.rollout.batch_size // self.optim.micro_batches
     _require(per_micro % batch_shards == 0, "rollout.num_prompts",

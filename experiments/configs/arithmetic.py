@@ -14,7 +14,7 @@ Ablations in this file: ``--config=...arithmetic.py:drgrpo`` (Dr. GRPO advantage
 import ml_collections
 
 
-def model(vocab_size=128, hidden=128, layers=2, heads=4, kv_heads=2, mlp=384):
+def model(vocab_size=128, hidden=128, layers=4, heads=4, kv_heads=2, mlp=384):
   return ml_collections.ConfigDict(dict(
       model_type="qwen2", vocab_size=vocab_size, hidden_size=hidden, num_layers=layers, num_heads=heads,
       num_kv_heads=kv_heads, intermediate_size=mlp, qkv_bias=True, tie_word_embeddings=True,
@@ -36,11 +36,11 @@ def get_config(arg: str = ""):
       advantage="grpo", policy_loss="ppo_clip", clip_low=0.2, clip_high=0.2, dual_clip=None,
       kl_coef=0.0, kl_estimator="k3", kl_mode="loss", entropy_coef=0.0, aggregation="token-mean"))
   c.optim = ml_collections.ConfigDict(dict(
-      learning_rate=2e-4, b1=0.9, b2=0.99, weight_decay=0.0, grad_clip=1.0, warmup_steps=0,
+      learning_rate=1e-4, b1=0.9, b2=0.99, weight_decay=0.0, grad_clip=1.0, warmup_steps=0,
       micro_batches=1))
-  c.warmup = ml_collections.ConfigDict(dict(steps=300, batch_size=64, learning_rate=2e-3))
+  c.warmup = ml_collections.ConfigDict(dict(steps=1000, batch_size=64, learning_rate=2e-3))
   c.run = ml_collections.ConfigDict(dict(
-      steps=60, seed=0, checkpoint_every=20, keep_checkpoints=2, progress_every_s=5.0, eval_every=0))
+      steps=500, seed=0, checkpoint_every=100, keep_checkpoints=2, progress_every_s=5.0, eval_every=0))
   if arg == "drgrpo":
     c.algo.advantage = "dr_grpo"
     c.algo.aggregation = "seq-mean-token-sum-norm"

@@ -1,0 +1,1 @@
+"""Deployment modes: how actor, reference and reward models share (or split) the devices."""

@@ -1,0 +1,241 @@
+"""A learned reward model: the policy's decoder body with a scalar head read at each row's last real token.
+
+Params are `{"body": decoder params without an LM head, "score": {"kernel": [D, 1]}}`. The body is the
+same `models.decoder` program (embedding, blocks, final norm); leaving out the LM head is done by
+building it with `tie_word_embeddings=True` (`body_config`), whose only effect is that no `lm_head`
+exists. The head matches transformers' `*ForSequenceClassification` with `num_labels=1` (`score.weight`
+[1, D], no bias), so checkpoints are written in that format, with `architectures` naming that class.
+
+Rows are right-padded (prompt then response from index 0, as in `types.Rollout`): `score` reads the
+hidden state at `lengths_b - 1`, and causal attention makes it independent of the padding. Like the
+decoder, this module never places or shards anything, and never imports torch or transformers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+from safetensors.numpy import save_file
+
+from rl_fusion_jax.models import decoder, hf_config, hf_io
+from rl_fusion_jax.models.config import ModelConfig
+from rl_fusion_jax.models.layers import F32
+
+RewardParams = dict[str, Any]
+
+ARCHITECTURES = {"qwen2": "Qwen2ForSequenceClassification", "llama": "LlamaForSequenceClassification"}
+SCORE_TENSOR = "score.weight"   # HF name of the head, [num_labels=1, D]
+
+
+def body_config(cfg: ModelConfig) -> ModelConfig:
+  """The decoder config of the body: the same model without an LM head."""
+  return dataclasses.replace(cfg, tie_word_embeddings=True)
+
+
+# ---------------------------------------------------------------------------------------- params
+
+
+def init_reward_params(cfg: ModelConfig, rng: jax.Array, *, init_std: float = 0.02) -> RewardParams:
+  """Random body (as `models.init_params`) and head kernel ~ N(0, init_std), in cfg.param_dtype."""
+  body_rng, head_rng = jax.random.split(rng)
+  body = decoder.init_params(body_config(cfg), body_rng, init_std=init_std)
+  kernel_d1 = jax.random.normal(head_rng, (cfg.hidden_size, 1), F32) * init_std
+  return {"body": body, "score": {"kernel": kernel_d1.astype(cfg.weight_dtype)}}
+
+
+def reward_logical_axes(cfg: ModelConfig) -> dict[str, Any]:
+  """Logical axis names per param (same structure as `init_reward_params`); the head's output is unsharded."""
+  return {"body": decoder.param_logical_axes(body_config(cfg)), "score": {"kernel": ("embed", None)}}
+
+
+def abstract_reward_params(cfg: ModelConfig) -> RewardParams:
+  """`jax.ShapeDtypeStruct` per param, allocating nothing."""
+  head = jax.ShapeDtypeStruct((cfg.hidden_size, 1), cfg.weight_dtype)
+  return {"body": decoder.abstract_params(body_config(cfg)), "score": {"kernel": head}}
+
+
+def check_reward_params(cfg: ModelConfig, params: RewardParams) -> None:
+  """Raises ValueError naming the first missing, unexpected or wrongly shaped entry."""
+  if not isinstance(params, Mapping) or set(params) != {"body", "score"}:
+    keys = sorted(params) if isinstance(params, Mapping) else type(params).__name__
+    raise ValueError(f"params: expected keys ['body', 'score'], got {keys}")
+  try:
+    decoder.check_params(body_config(cfg), params["body"])
+  except ValueError as e:
+    raise ValueError(f"params['body']: {e}") from None
+  head = params["score"]
+  if not isinstance(head, Mapping) or set(head) != {"kernel"}:
+    raise ValueError(f"params['score']: expected {{'kernel': [D, 1]}}, got {head!r:.80}")
+  if tuple(jnp.shape(head["kernel"])) != (cfg.hidden_size, 1):
+    raise ValueError(f"params['score']['kernel']: shape {tuple(jnp.shape(head['kernel']))}, "
+                     f"expected {(cfg.hidden_size, 1)}")
+
+
+# --------------------------------------------------------------------------------------- forward
+
+
+def hidden_states(cfg: ModelConfig, params: RewardParams, tokens_bt: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+  """The body's final-norm hidden states [B, T, D] in the compute dtype (what the head reads)."""
+  model = decoder.bind(body_config(cfg), params["body"])
+  positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
+  mask_btt = decoder.attention_mask(positions_bt, None)
+  x_btd = model.embed_tokens(tokens_bt)
+  for block in model.blocks():
+    x_btd = block(x_btd, positions_bt, mask_btt)
+  return model.final_norm(x_btd)
+
+
+def last_token(x_btd: jax.Array, lengths_b: jax.Array) -> jax.Array:
+  """x_btd[b, lengths_b[b] - 1]; a length outside [1, T] gives NaN (under jit nothing can raise)."""
+  t = x_btd.shape[1]
+  valid_b = (lengths_b >= 1) & (lengths_b <= t)
+  index_b = jnp.where(valid_b, lengths_b - 1, t)   # t is out of bounds: filled with NaN
+  return jnp.take_along_axis(x_btd, index_b[:, None, None], axis=1, mode="fill", fill_value=jnp.nan)[:, 0]
+
+
+def _check_inputs(tokens_bt, lengths_b) -> None:
+  if jnp.ndim(tokens_bt) != 2 or not jnp.issubdtype(jnp.result_type(tokens_bt), jnp.integer):
+    raise ValueError(f"tokens_bt: expected integer tokens of shape [B, T], got {jnp.shape(tokens_bt)} "
+                     f"{jnp.result_type(tokens_bt)}")
+  if jnp.shape(lengths_b) != jnp.shape(tokens_bt)[:1] or not jnp.issubdtype(jnp.result_type(lengths_b),
+                                                                            jnp.integer):
+    raise ValueError(f"lengths_b: expected integer shape {jnp.shape(tokens_bt)[:1]}, got "
+                     f"{jnp.shape(lengths_b)} {jnp.result_type(lengths_b)}")
+  if not isinstance(lengths_b, jax.core.Tracer):   # values are only known outside jit
+    lengths = np.asarray(lengths_b)
+    t = jnp.shape(tokens_bt)[1]
+    if lengths.size and (lengths.min() < 1 or lengths.max() > t):
+      raise ValueError(f"lengths_b: every length must be in [1, T={t}], got min {lengths.min()} "
+                       f"max {lengths.max()}")
+
+
+def score(cfg: ModelConfig, params: RewardParams, tokens_bt: Int[Array, "B T"],
+          lengths_b: Int[Array, "B"]) -> Float[Array, "B"]:
+  """Float32 reward [B]: the head applied to the hidden state of token `lengths_b - 1` of each row.
+
+  Jit with `cfg` static. Tokens at or after a row's length do not change its score. Outside jit a
+  length outside [1, T] raises; inside jit it gives NaN for that row.
+  """
+  _check_inputs(tokens_bt, lengths_b)
+  check_reward_params(cfg, params)
+  last_bd = last_token(hidden_states(cfg, params, tokens_bt), lengths_b)
+  kernel_d1 = params["score"]["kernel"].astype(cfg.compute_dtype)
+  return jnp.einsum("BD,DO->BO", last_bd, kernel_d1, preferred_element_type=F32)[:, 0]
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+
+
+def reward_hf_dict(cfg: ModelConfig, *, dtype: str | None = None) -> dict[str, Any]:
+  """config.json of a transformers `*ForSequenceClassification` with one label, holding this decoder."""
+  d = cfg.to_hf_dict(dtype=dtype)
+  d.update(architectures=[ARCHITECTURES[cfg.model_type]], id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+  return d
+
+
+def _hf_tensors(cfg: ModelConfig, params: RewardParams, np_dtype) -> dict[str, np.ndarray]:
+  body = dict(decoder.flatten(params["body"]))
+  tensors = {}
+  for ours, (hf_name, layout) in hf_io.name_map(body_config(cfg)).items():
+    x = np.asarray(jax.device_get(body[ours])).astype(np_dtype)
+    tensors[hf_name] = np.ascontiguousarray(hf_io.to_hf_layout(x, layout))
+  kernel_d1 = np.asarray(jax.device_get(params["score"]["kernel"])).astype(np_dtype)
+  tensors[SCORE_TENSOR] = np.ascontiguousarray(hf_io.to_hf_layout(kernel_d1, "linear"))
+  return tensors
+
+
+def save_reward_model(cfg: ModelConfig, params: RewardParams, path: str | os.PathLike, *,
+                      dtype: str | None = None) -> None:
+  """Writes config.json and model.safetensors (weights in `dtype`, default cfg.param_dtype) to `path`.
+
+  Written into a temporary sibling folder first; an existing `path` is replaced only once it is complete.
+  """
+  path = os.path.abspath(os.fspath(path))
+  check_reward_params(cfg, params)
+  config = reward_hf_dict(cfg, dtype=dtype)
+  tensors = _hf_tensors(cfg, params, hf_io.NP_DTYPES[config["dtype"]])
+  parent = os.path.dirname(path)
+  os.makedirs(parent, exist_ok=True)
+  tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+  try:
+    os.chmod(tmp, 0o755)
+    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+      json.dump(config, f, indent=2, sort_keys=True)
+    hf_io._replace_dir(tmp, path)  # pylint: disable=protected-access
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+
+
+def read_reward_config(path: str) -> ModelConfig:
+  """The decoder config of a reward checkpoint folder; errors name config.json and the key."""
+  config_path = os.path.join(path, "config.json")
+  if not os.path.isfile(config_path):
+    raise FileNotFoundError(f"{config_path}: missing config.json")
+  try:
+    with open(config_path, encoding="utf-8") as f:
+      d = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{config_path}: malformed JSON ({e})") from None
+  model_type = d.get("model_type") if isinstance(d, Mapping) else None
+  if model_type not in ARCHITECTURES or d.get("architectures") != [ARCHITECTURES[model_type]]:
+    raise ValueError(f"{config_path}: architectures {d.get('architectures') if isinstance(d, Mapping) else d!r}"
+                     f" is not a reward model (expected one of {sorted(ARCHITECTURES.values())})")
+  if len(d.get("id2label") or {"0": None}) != 1:
+    raise ValueError(f"{config_path}: id2label has {len(d['id2label'])} labels, a reward model has 1")
+  try:   # the decoder fields are the causal LM's; only the class name differs
+    return ModelConfig.from_hf_dict({**d, "architectures": [hf_config.ARCHITECTURES[model_type]]})
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{config_path}: {e}") from None
+
+
+def _expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple | None, str, tuple[int, ...]]]:
+  """HF name -> (our body path or None for the head, layout, our shape)."""
+  shapes = {path: leaf.shape for path, leaf in decoder.flatten(decoder.abstract_params(body_config(cfg)))}
+  rows = {hf_name: (ours, layout, shapes[ours])
+          for ours, (hf_name, layout) in hf_io.name_map(body_config(cfg)).items()}
+  rows[SCORE_TENSOR] = (None, "linear", (cfg.hidden_size, 1))
+  return rows
+
+
+def load_reward_model(path: str | os.PathLike) -> tuple[ModelConfig, RewardParams]:
+  """Reads a checkpoint written by `save_reward_model` (or transformers, single or sharded).
+
+  Returns (cfg, params in cfg.param_dtype) on the default device. A tensor whose shape does not match
+  config.json, a missing tensor or an unexpected one raises ValueError naming the file and tensor.
+  """
+  path = os.fspath(path)
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"{path}: checkpoint folder does not exist")
+  cfg = read_reward_config(path)
+  # pylint: disable=protected-access
+  where = hf_io._tensor_locations(hf_io._weight_files(path))
+  expected = _expected_tensors(cfg)
+  extra = sorted(n for n in where.keys() - expected.keys() if not n.endswith(hf_io.IGNORED_SUFFIXES))
+  if extra:
+    raise ValueError(f"{where[extra[0]]}: unexpected tensors {extra[:5]} ({len(extra)} in total)")
+  body, head = {}, None
+  for hf_name, (ours, layout, shape) in expected.items():
+    if hf_name not in where:
+      raise ValueError(f"{path}: missing tensor '{hf_name}'")
+    x = hf_io._read_tensor(where[hf_name], hf_name)
+    want = hf_io.hf_shape(layout, shape)
+    if x.shape != want:
+      raise ValueError(f"{where[hf_name]}: tensor '{hf_name}' has shape {x.shape}, expected {want} "
+                       f"from {os.path.join(path, 'config.json')}")
+    x = jnp.asarray(hf_io.from_hf_layout(x, layout, shape).astype(hf_io.NP_DTYPES[cfg.param_dtype]))
+    if ours is None:
+      head = x
+    else:
+      body[ours] = x
+  return cfg, {"body": decoder.unflatten(body), "score": {"kernel": head}}

@@ -1,0 +1,159 @@
+"""The phases of a run: initial policy, supervised warm-up, evaluation, and one synchronous RL step.
+
+Each phase is recorded on the run's timeline under the device group that executes it. The host touches
+a step's data once, to decode and score the responses; everything else stays on the devices.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from rl_fusion_jax import models
+from rl_fusion_jax.orchestration import data
+from rl_fusion_jax.orchestration.programs import Programs
+from rl_fusion_jax.orchestration.setup import Setup
+from rl_fusion_jax.rewards.base import score_batch
+from rl_fusion_jax.rollout.engine import Request
+from rl_fusion_jax.timeline import Timeline
+from rl_fusion_jax.train import state as state_lib
+from rl_fusion_jax.train import step as step_lib
+from rl_fusion_jax.types import Rollout
+
+
+def init_policy(setup: Setup, programs: Programs):
+  """The starting params on the training layout: the HF weights, or a seeded random init."""
+  cfg = setup.cfg
+  if setup.hf_params is not None:
+    return jax.device_put(setup.hf_params, programs.param_shardings)
+  init = lambda k: models.init_params(cfg.model.config, k, init_std=cfg.model.init_std)
+  return jax.jit(init, out_shardings=programs.param_shardings)(jax.random.key(cfg.run.seed))
+
+
+def warmup(setup: Setup, programs: Programs, params):
+  """Supervised warm-up on the task's reference completions; returns the new params."""
+  cfg = setup.cfg
+  if not cfg.warmup.steps:
+    return params
+  tx = state_lib.make_optimizer(dataclasses.replace(cfg.optim, warmup_steps=0),
+                                learning_rate=cfg.warmup.learning_rate)
+  shardings = state_lib.state_shardings(tx, models.abstract_params(cfg.model.config),
+                                        programs.param_shardings, programs.mesh)
+  state = state_lib.create_train_state(params, tx, shardings)
+  sft_step = step_lib.make_sft_step(cfg.model.config, tx, 1, programs.mesh, shardings)
+  n = cfg.warmup.batch_size
+  for step in range(cfg.warmup.steps):
+    problems = [setup.warmup_task.problem(step * n + i) for i in range(n)]
+    tokens, mask = data.encode_sft(setup.tokenizer, problems, cfg.rollout.seq_len)
+    state, m = sft_step(state, data.to_global(programs.mesh, tokens), data.to_global(programs.mesh, mask))
+    if step % 16 == 15 or step == cfg.warmup.steps - 1:   # bounded dispatch queue, and a log line
+      logging.info("warm-up step %d/%d loss %.4f", step + 1, cfg.warmup.steps, float(m["loss"]))
+  return state.params
+
+
+def _requests(tokenizer, problems, width: int, group_size: int, first_id: int, first_group: int):
+  prompts, lens = data.encode_prompts(tokenizer, problems, width)
+  return [Request(sample_id=first_id + i * group_size + g, group_id=first_group + i,
+                  prompt=prompts[i, :lens[i]])
+          for i in range(len(problems)) for g in range(group_size)]
+
+
+def _by_sample_id(rollout: Rollout) -> Rollout:
+  order = np.argsort(rollout.sample_id_b, kind="stable")
+  return jax.tree.map(lambda x: x[order], rollout)
+
+
+def evaluate(setup: Setup, programs: Programs, gen_params, round_index: int) -> dict[str, float]:
+  """Greedy accuracy on the held-out problems of ``task.eval_seed`` (params in the generation layout)."""
+  n = setup.cfg.task.eval_problems
+  problems = [setup.eval_task.problem(i) for i in range(n)]
+  engine = programs.eval_engine
+  engine.add(_requests(setup.tokenizer, problems, setup.cfg.rollout.max_prompt_len, 1,
+                       round_index * n, round_index * n))
+  rollout = _by_sample_id(engine.run(gen_params, 0).rollout)
+  texts = data.decode_responses(setup.tokenizer, rollout.tokens_bt, rollout.prompt_len_b,
+                                rollout.response_len_b)
+  rewards, fmt, correct = score_batch(setup.eval_task, problems, texts)
+  return {"accuracy": float(np.mean(correct)), "format_rate": float(np.mean(fmt)),
+          "reward": float(np.mean(rewards))}
+
+
+def _rewards(setup: Setup, programs: Programs, problems, rollout: Rollout, tokens_bt, timeline, step):
+  """Verifier rewards on the host, plus the learned reward model's score when one is configured."""
+  g = setup.cfg.rollout.group_size
+  texts = data.decode_responses(setup.tokenizer, rollout.tokens_bt, rollout.prompt_len_b,
+                                rollout.response_len_b)
+  rewards, fmt, correct = score_batch(setup.train_task, [p for p in problems for _ in range(g)], texts)
+  out = {"accuracy": float(correct.mean()), "format_rate": float(fmt.mean())}
+  if programs.reward_model is not None:
+    score_fn, resting = programs.reward_model
+    with timeline.phase("reward_model", group=programs.deployment.train_group, step=step):
+      params = programs.deployment.fetch_aux(resting)
+      lengths = rollout.prompt_len_b + rollout.response_len_b
+      rm_b = np.asarray(score_fn(params, tokens_bt, data.to_global(programs.mesh, lengths)))
+      programs.deployment.release_aux(params)
+    rewards = rewards + setup.cfg.task.reward_model_weight * rm_b
+    out["reward_model_score"] = float(rm_b.mean())
+  out["reward"] = float(rewards.mean())
+  return rewards.astype(np.float32), out
+
+
+def rl_step(setup: Setup, programs: Programs, state, ref_resting, step: int, timeline: Timeline):
+  """Switch -> generate -> switch -> reward -> reference -> advantages -> update -> publish."""
+  cfg, d, r = setup.cfg, programs.deployment, setup.cfg.rollout
+  t_start = time.perf_counter()
+  problems = [setup.train_task.problem(step * r.num_prompts + i) for i in range(r.num_prompts)]
+  programs.engine.add(_requests(setup.tokenizer, problems, r.max_prompt_len, r.group_size,
+                                step * r.batch_size, step * r.num_prompts))
+  metrics = {}
+  with timeline.phase("switch", group=d.rollout_group, step=step):
+    state, gen_params, m = d.to_generation(state)
+    metrics |= m
+  with timeline.phase("generate", group=d.rollout_group, step=step):
+    t0 = time.perf_counter()
+    result = programs.engine.run(gen_params, step)
+    generate_s = time.perf_counter() - t0
+  with timeline.phase("switch", group=d.train_group, step=step):
+    state, m = d.to_training(state)
+    metrics |= m
+  rollout = _by_sample_id(result.rollout)
+  device_rollout = jax.tree.map(lambda x: data.to_global(programs.mesh, x), rollout)
+  with timeline.phase("reward", group=d.train_group, step=step):
+    t0 = time.perf_counter()
+    rewards, m = _rewards(setup, programs, problems, rollout, device_rollout.tokens_bt, timeline, step)
+    metrics |= m
+    reward_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  if cfg.algo.needs_reference:
+    with timeline.phase("reference", group=d.train_group, step=step):
+      ref_params = d.fetch_aux(ref_resting)
+      ref_logp = programs.ref_logprobs(ref_params, device_rollout.tokens_bt).block_until_ready()
+      d.release_aux(ref_params)
+  else:
+    ref_logp = jnp.zeros_like(device_rollout.logp_bt)   # unused when kl_coef == 0
+  ref_s = time.perf_counter() - t0
+  with timeline.phase("train", group=d.train_group, step=step):
+    t0 = time.perf_counter()
+    batch, batch_stats = programs.assemble(device_rollout, data.to_global(programs.mesh, rewards), ref_logp)
+    state, train_metrics = programs.train_step(state, batch)
+    train_metrics, batch_stats = jax.device_get((train_metrics, batch_stats))
+    train_s = time.perf_counter() - t0
+  with timeline.phase("publish", group=d.train_group, step=step):
+    metrics |= d.publish(state.params)
+  step_s = time.perf_counter() - t_start
+  resp = rollout.response_len_b
+  metrics |= {k: float(v) for k, v in {**train_metrics, **batch_stats}.items()}
+  metrics |= {
+      "response_len_mean": float(resp.mean()), "response_len_max": float(resp.max()),
+      "truncated_frac": float(1 - rollout.finished_b.mean()),
+      "generate_s": generate_s, "reward_s": reward_s, "ref_s": ref_s, "train_s": train_s,
+      "step_s": step_s, "generate_tokens_per_s": float(resp.sum()) / generate_s,
+      "train_tokens_per_s": float(r.batch_size * r.seq_len) / train_s,
+      "policy_version": float(step + 1),
+      "engine/slot_utilization": float(result.stats.get("slot_utilization", 0.0)),
+      "engine/decode_steps": float(result.stats.get("decode_steps", 0))}
+  return state, metrics

@@ -1,0 +1,97 @@
+"""The compiled device programs of a run and the placement they agree on.
+
+Built once per run from a validated Setup: the deployment (meshes, layouts, residency), the generation
+engines (sampling and greedy evaluation) on the rollout mesh, and on the training mesh the RL update,
+the reference log-probs, the reward-model score and the batch assembly. Every program has fixed shapes
+and explicit shardings, so each compiles once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from rl_fusion_jax import models
+from rl_fusion_jax.algorithms import registry
+from rl_fusion_jax.config import ExperimentConfig
+from rl_fusion_jax.fusion.deployment import make_deployment
+from rl_fusion_jax.models import reward_model
+from rl_fusion_jax.orchestration.setup import Setup
+from rl_fusion_jax.rollout.engine import Engine, EngineConfig
+from rl_fusion_jax.rollout.generate import GenerateSpec
+from rl_fusion_jax.rollout.sampling import SamplingParams
+from rl_fusion_jax.sharding import mesh as mesh_lib
+from rl_fusion_jax.sharding.rules import param_shardings
+from rl_fusion_jax.train import state as state_lib
+from rl_fusion_jax.train import step as step_lib
+from rl_fusion_jax.types import Rollout, TrainBatch
+
+
+def assemble_batch(cfg: ExperimentConfig, rollout: Rollout, rewards_b, ref_logp_bt):
+  """Rollout + rewards (+ reference log-probs) -> TrainBatch, with KL-in-reward and advantages."""
+  mask_bt = rollout.response_mask()
+  algo, stats = cfg.algo, {}
+  if algo.needs_reference:
+    kl_bt = registry.get_kl_estimator(algo.kl_estimator)(rollout.logp_bt, ref_logp_bt)
+    kl_b = jnp.sum(kl_bt * mask_bt, axis=1)
+    stats["kl_seq"] = jnp.mean(kl_b)
+    if algo.kl_mode == "reward":
+      rewards_b = rewards_b - algo.kl_coef * kl_b
+  adv_b = registry.get_advantage_fn(algo.advantage)(rewards_b, cfg.rollout.group_size)
+  stats["advantage_abs_mean"] = jnp.mean(jnp.abs(adv_b))
+  batch = TrainBatch(tokens_bt=rollout.tokens_bt, mask_bt=mask_bt, advantages_b=adv_b,
+                     behaviour_logp_bt=rollout.logp_bt, ref_logp_bt=ref_logp_bt,
+                     version_bt=rollout.version_bt)
+  return batch, stats
+
+
+class Programs:
+  """Deployment + compiled programs for one ExperimentConfig."""
+
+  def __init__(self, setup: Setup):
+    cfg = setup.cfg
+    model_cfg, r = cfg.model.config, cfg.rollout
+    self.cfg = cfg
+    abstract = models.abstract_params(model_cfg)
+    self.tx = state_lib.make_optimizer(cfg.optim)
+    self.deployment = d = make_deployment(cfg, abstract, models.param_logical_axes(model_cfg), self.tx)
+    self.mesh = d.train_mesh
+    self.param_shardings = d.train_param_shardings
+    self.state_shardings = state_lib.state_shardings(self.tx, abstract, self.param_shardings, self.mesh)
+    sampling = SamplingParams(r.temperature, r.top_k, r.top_p)
+    spec = GenerateSpec(model_cfg, sampling, r.max_prompt_len, r.max_new_tokens, setup.tokenizer.eos_id)
+    engine_cfg = EngineConfig(spec=spec, num_slots=r.slots, chunk_steps=r.chunk_steps,
+                              group_size=r.group_size, seed=cfg.run.seed)
+    self.engine = Engine(engine_cfg, d.rollout_mesh, d.rollout_param_shardings)
+    greedy = dataclasses.replace(spec, sampling=SamplingParams(0.0))
+    self.eval_engine = Engine(dataclasses.replace(engine_cfg, spec=greedy, num_slots=_eval_slots(cfg),
+                                                  group_size=1),
+                              d.rollout_mesh, d.rollout_param_shardings)
+    temperature = sampling.logprob_temperature
+    self.train_step = step_lib.make_rl_step(model_cfg, cfg.algo, temperature, self.tx,
+                                            cfg.optim.micro_batches, self.mesh, r.max_new_tokens,
+                                            self.state_shardings)
+    self.ref_logprobs = step_lib.make_logprob_fn(model_cfg, temperature, self.mesh, self.param_shardings)
+    self.assemble = jax.jit(functools.partial(assemble_batch, cfg),
+                            out_shardings=(step_lib.batch_shardings(self.mesh),
+                                           mesh_lib.replicated(self.mesh)))
+    self.reward_model = self._reward_model(setup)
+
+  def _reward_model(self, setup: Setup):
+    """(score fn, resting params) of the learned reward model on the training mesh, or None."""
+    if setup.reward_model is None:
+      return None
+    rm_cfg, host_params = setup.reward_model
+    shardings = param_shardings(reward_model.abstract_reward_params(rm_cfg),
+                                reward_model.reward_logical_axes(rm_cfg), self.mesh,
+                                self.deployment.train_rules)
+    b1, b2 = mesh_lib.batch_sharding(self.mesh, 1), mesh_lib.batch_sharding(self.mesh, 2)
+    fn = jax.jit(functools.partial(reward_model.score, rm_cfg), in_shardings=(shardings, b2, b1),
+                 out_shardings=b1)
+    return fn, self.deployment.place_aux(jax.device_put(host_params, shardings))
+
+
+def _eval_slots(cfg: ExperimentConfig) -> int:
+  return cfg.task.eval_problems

@@ -1,0 +1,87 @@
+"""Start-up validation: everything that can be checked before a compile or a write, in one place.
+
+``validate`` raises a ValueError naming the config field (or the file path) for a bad mesh, batch,
+tokenizer, task, prompt length, rule table, HF checkpoint or reward-model checkpoint; it reads
+checkpoints into host memory so the run never discovers a broken file after the workdir exists.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from rl_fusion_jax import models
+from rl_fusion_jax.config import ExperimentConfig
+from rl_fusion_jax.fusion.deployment import check_rules
+from rl_fusion_jax.models import reward_model
+from rl_fusion_jax.orchestration import data
+from rl_fusion_jax.rewards.registry import make_task
+from rl_fusion_jax.tokenizer import load_tokenizer
+
+
+@dataclasses.dataclass
+class Setup:
+  """What validation built on the host (nothing compiled, nothing written)."""
+  cfg: ExperimentConfig
+  tokenizer: Any
+  train_task: Any
+  warmup_task: Any
+  eval_task: Any
+  hf_params: Any = None       # host weights of config.model.hf_path, if set
+  reward_model: Any = None    # (ModelConfig, host params) of config.task.reward_model, if set
+
+
+def _read_checkpoints(cfg: ExperimentConfig):
+  hf_params = rm = None
+  if cfg.model.hf_path:
+    try:
+      _, hf_params = models.load_hf(cfg.model.hf_path)
+    except (OSError, ValueError) as e:
+      raise ValueError(f"config.model.hf_path: {e}") from e
+  if cfg.task.reward_model:
+    try:
+      rm = reward_model.load_reward_model(cfg.task.reward_model)
+    except (OSError, ValueError) as e:
+      raise ValueError(f"config.task.reward_model: {e}") from e
+    if rm[0].vocab_size < cfg.model.config.vocab_size:
+      raise ValueError(f"config.task.reward_model: vocab_size {rm[0].vocab_size} < the policy's "
+                       f"{cfg.model.config.vocab_size}")
+  return hf_params, rm
+
+
+def _make_tasks(cfg: ExperimentConfig):
+  kwargs = dict(cfg.task.kwargs)
+  if "seed" in kwargs:
+    raise ValueError("config.task.kwargs.seed: seeds come from config.run.seed and task.eval_seed")
+  try:
+    return [make_task(cfg.task.name, seed=seed, **kwargs)
+            for seed in (cfg.run.seed, cfg.run.seed + 1, cfg.task.eval_seed)]
+  except ValueError as e:
+    raise ValueError(f"config.task: {e}") from e
+
+
+def validate(cfg: ExperimentConfig, num_devices: int) -> Setup:
+  """Every check that needs no compile: devices, rules, tokenizer, tasks, prompt lengths, checkpoints."""
+  cfg.check_devices(num_devices)
+  check_rules(cfg, num_devices)
+  try:
+    tokenizer = load_tokenizer(cfg.task.tokenizer, vocab_size=cfg.model.config.vocab_size)
+  except ValueError as e:
+    raise ValueError(f"config.task.tokenizer / config.model.vocab_size: {e}") from e
+  tasks = _make_tasks(cfg)
+  # A sample of each stream is encoded now, so a prompt that does not fit fails before any compile.
+  for task in tasks:
+    problems = [task.problem(i) for i in range(32)]
+    data.encode_prompts(tokenizer, problems, cfg.rollout.max_prompt_len)
+    if task is tasks[1] and cfg.warmup.steps:
+      data.encode_sft(tokenizer, problems, cfg.rollout.seq_len)
+  hf_params, rm = _read_checkpoints(cfg)
+  return Setup(cfg, tokenizer, *tasks, hf_params=hf_params, reward_model=rm)
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(obj, f, indent=2, sort_keys=True)
+  os.replace(tmp, path)

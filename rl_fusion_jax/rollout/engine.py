@@ -1,0 +1,387 @@
+"""Generation engine: a host-side queue feeding fixed slots, continuous refill, and partial rollout.
+
+``Engine.add(requests)`` queues prompts; ``Engine.run(params, version, target_...)`` generates until a
+target number of samples (or of complete GRPO groups) has finished and returns exactly those, keeping
+everything else: queued prompts, samples still in flight (their tokens, behaviour log-probs and per-token
+versions) and samples that finished beyond the target. The device programs live in ``slots.py``; this
+module only decides which request goes to which slot, once per chunk of decode steps.
+
+One run is a loop of: collect the slots that finished -> stop if the target is met -> refill free slots
+from the queue (``refill='continuous'``: any free slot; ``'static'``: only when every slot is free, the
+batch-at-a-time baseline) -> decode a chunk of at most ``chunk_steps`` steps -> fetch the slot state
+(the one device-to-host transfer per chunk; nothing is read back per token). With ``early_exit`` (the
+default) a continuous chunk also ends as soon as ``prefill_rows`` slots (or as many as there are queued
+prompts) finished, so free slots wait for at most one prefill call's worth of company, not for K steps.
+
+Determinism: the engine's base key comes from ``seed`` and token t of a sample is drawn with key
+(seed, sample id, t), always from the logits of one decode step. Under fixed weights a sample's tokens
+therefore do not depend on the slot count, the chunk size, the refill order or on how runs were split.
+
+Partial rollout, and what happens to in-flight samples between runs. The default drops the KV cache at
+the end of every run and, at the start of the next, re-prefills each in-flight sample's prompt + partial
+response under the weights of that run. Earlier tokens keep the log-probs and versions they were sampled
+with; new tokens get the new version. The alternative, ``keep_cache=True``, keeps the cache across runs:
+  * memory: re-prefill frees the whole cache (L x S x T x K x H x 2) between phases, so training gets
+    that memory; keeping it holds the cache through the training phase.
+  * compute: re-prefill costs one forward over every in-flight prefix per run (a prefill, so at
+    matmul-friendly shapes; small next to decoding the long tail), keeping costs nothing.
+  * staleness: kept KV was computed by the old weights, so new tokens attend to keys and values of a
+    policy that no longer exists; the behaviour log-probs of those tokens are then not those of any
+    single policy version. Re-prefill makes every new token an exact sample of the current policy given
+    its prefix. Under unchanged weights both give the same tokens.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from collections.abc import Iterable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from rl_fusion_jax import models
+from rl_fusion_jax.rollout import slots
+from rl_fusion_jax.rollout.generate import GenerateSpec
+from rl_fusion_jax.sharding.mesh import BATCH_AXES, batch_shards, batch_sharding, replicated
+from rl_fusion_jax.types import Rollout
+
+REFILL_POLICIES = ("continuous", "static")
+_MAX_ID = 2**31 - 1
+_PREFILLS_PER_BLOCK = 8   # bounded dispatch queue (multi-device CPU programs deadlock beyond ~32)
+
+
+def _positive_int(value) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Slots, chunking and scheduling of an Engine. ``prefill_rows=0``: a quarter of the slots."""
+  spec: GenerateSpec
+  num_slots: int
+  chunk_steps: int = 16
+  prefill_rows: int = 0
+  group_size: int = 1
+  seed: int = 0
+  refill: str = "continuous"
+  keep_cache: bool = False
+  early_exit: bool = True    # end a chunk once a prefill call's worth of slots (or the queue) can refill
+
+  def __post_init__(self):
+    for name in ("num_slots", "chunk_steps", "group_size"):
+      if not _positive_int(getattr(self, name)):
+        raise ValueError(f"EngineConfig.{name}: must be a positive int, got {getattr(self, name)!r}")
+    if not _positive_int(self.prefill_rows) and self.prefill_rows != 0:
+      raise ValueError(f"EngineConfig.prefill_rows: must be 0 (auto) or a positive int, got "
+                       f"{self.prefill_rows!r}")
+    if self.prefill_rows > self.num_slots:
+      raise ValueError(f"EngineConfig.prefill_rows: {self.prefill_rows} > num_slots {self.num_slots}")
+    if self.num_slots % self.group_size:
+      raise ValueError(f"EngineConfig.group_size: {self.group_size} does not divide num_slots "
+                       f"{self.num_slots}")
+    if self.refill not in REFILL_POLICIES:
+      raise ValueError(f"EngineConfig.refill: must be one of {REFILL_POLICIES}, got {self.refill!r}")
+    if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool):
+      raise ValueError(f"EngineConfig.seed: must be an int, got {self.seed!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """One sample to generate. ``forced_len``: the response ends at that length, EOS ignored (benchmarks)."""
+  sample_id: int
+  group_id: int
+  prompt: Sequence[int]
+  forced_len: int | None = None
+
+  def __post_init__(self):
+    for name in ("sample_id", "group_id"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= _MAX_ID:
+        raise ValueError(f"Request.{name}: must be an int in [0, 2**31), got {value!r}")
+    if self.forced_len is not None and not _positive_int(self.forced_len):
+      raise ValueError(f"Request.forced_len: must be None or a positive int, got {self.forced_len!r}")
+    prompt = np.asarray(self.prompt)
+    if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
+      raise ValueError(f"Request.prompt: must be a non-empty 1-D sequence of ints (sample {self.sample_id})")
+    object.__setattr__(self, "prompt", tuple(int(t) for t in prompt))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+  """What one ``run`` returns: finished samples as a host Rollout (numpy), their groups, and counters."""
+  rollout: Rollout
+  group_id_b: np.ndarray
+  stats: dict
+
+
+def prefill_widths(max_prompt_len: int, seq_len: int) -> tuple[int, ...]:
+  """Prefill widths, one compile each: the prompt width, then doubling up to the full row.
+
+  Fresh prompts use the first; a re-prefilled prefix the smallest that holds it, so recomputing a short
+  partial response does not pay for a full-row forward.
+  """
+  widths = [max_prompt_len]
+  while widths[-1] * 2 < seq_len:
+    widths.append(widths[-1] * 2)
+  return tuple(widths) + (seq_len,)
+
+
+class _Programs:
+  """The compiled programs of one (spec, slots, rows, mesh, param layout); shared by equal engines."""
+
+  def __init__(self, spec: GenerateSpec, num_slots: int, rows: int, mesh: Mesh, param_shardings):
+    b1, b2, rep = batch_sharding(mesh, 1), batch_sharding(mesh, 2), replicated(mesh)
+    self.cache_sharding = NamedSharding(mesh, P(None, BATCH_AXES))
+    self.row_shardings = (b1, b1, b2, b1, b1, b1)
+    self.replicated = rep
+    state_sh = slots.SlotState(tokens_st=b2, logp_st=b2, version_st=b2, prompt_len_s=b1, response_len_s=b1,
+                               forced_len_s=b1, finished_s=b1, done_s=b1, sample_id_s=b1)
+    cache_sh = self.cache_sharding
+    self.widths = prefill_widths(spec.max_prompt_len, spec.seq_len)
+    self.prefill = {
+        w: jax.jit(functools.partial(slots.prefill, spec, w), donate_argnums=(1, 2),
+                   in_shardings=(param_shardings, cache_sh, state_sh) + self.row_shardings,
+                   out_shardings=(state_sh, cache_sh))
+        for w in self.widths}
+    self.decode = jax.jit(functools.partial(slots.decode_chunk, spec), donate_argnums=(1, 2),
+                          in_shardings=(param_shardings, cache_sh, state_sh, rep, rep, rep, rep),
+                          out_shardings=(state_sh, cache_sh, rep, rep))
+    self.init_cache = jax.jit(functools.partial(models.init_cache, spec.model, num_slots, spec.seq_len),
+                              out_shardings=cache_sh)
+    self.empty = jax.jit(functools.partial(slots.empty_slots, num_slots, spec.seq_len),
+                         out_shardings=state_sh)
+
+
+@functools.lru_cache(maxsize=16)
+def _programs(spec, num_slots, rows, mesh, treedef, sharding_leaves) -> _Programs:
+  return _Programs(spec, num_slots, rows, mesh, jax.tree.unflatten(treedef, sharding_leaves))
+
+
+@dataclasses.dataclass
+class _Finished:
+  order: tuple[int, int]      # (chunk counter when collected, sample id): completion order
+  group_id: int
+  row: dict                   # host numpy fields of one SlotState row
+
+
+class Engine:
+  """Slots over one donated KV cache, a host queue, continuous refill and partial rollout."""
+
+  def __init__(self, cfg: EngineConfig, mesh: Mesh, param_shardings):
+    shards = batch_shards(mesh)
+    if cfg.num_slots % shards:
+      raise ValueError(f"EngineConfig.num_slots: {cfg.num_slots} is not a multiple of the {shards} batch "
+                       "shards of the mesh (data x fsdp)")
+    rows = cfg.prefill_rows or -(-max(1, cfg.num_slots // 4) // shards) * shards
+    if rows % shards:
+      raise ValueError(f"EngineConfig.prefill_rows: {rows} is not a multiple of the {shards} batch shards")
+    self.cfg, self.rows = cfg, rows
+    leaves, treedef = jax.tree.flatten(param_shardings)
+    self.programs = _programs(cfg.spec, cfg.num_slots, rows, mesh, treedef, tuple(leaves))
+    self._rng = jax.random.key(cfg.seed)
+    self._state = self.programs.empty()
+    self._host = jax.device_get(self._state)     # the slot state as of the last fetch
+    self._cache = None
+    self._kv_valid = False                       # the cache holds the KV of every in-flight prefix
+    self._occupant: list[Request | None] = [None] * cfg.num_slots
+    self._queue: collections.deque[Request] = collections.deque()
+    self._finished: list[_Finished] = []
+    self._ids: set[int] = set()
+    self._group_added: collections.Counter = collections.Counter()
+    self._chunks = 0
+
+  # -- queue -----------------------------------------------------------------------------------------
+
+  def add(self, requests: Iterable[Request]) -> None:
+    """Queues requests; all are checked first, so a bad one leaves the queue unchanged."""
+    requests = list(requests)
+    spec, ids, groups = self.cfg.spec, set(), collections.Counter()
+    for i, r in enumerate(requests):
+      if not isinstance(r, Request):
+        raise ValueError(f"requests[{i}]: expected a Request, got {type(r).__name__}")
+      if len(r.prompt) > spec.max_prompt_len:
+        raise ValueError(f"requests[{i}].prompt: {len(r.prompt)} tokens > max_prompt_len "
+                         f"{spec.max_prompt_len} (sample {r.sample_id})")
+      if min(r.prompt) < 0 or max(r.prompt) >= spec.model.vocab_size:
+        raise ValueError(f"requests[{i}].prompt: token ids must be in [0, vocab_size="
+                         f"{spec.model.vocab_size}) (sample {r.sample_id})")
+      if r.sample_id in self._ids or r.sample_id in ids:
+        raise ValueError(f"requests[{i}].sample_id: duplicate id {r.sample_id}")
+      ids.add(r.sample_id)
+      groups[r.group_id] += 1
+      if self._group_added[r.group_id] + groups[r.group_id] > self.cfg.group_size:
+        raise ValueError(f"requests[{i}].group_id: group {r.group_id} would exceed group_size "
+                         f"{self.cfg.group_size}")
+    self._ids |= ids
+    self._group_added.update(groups)
+    self._queue.extend(requests)
+
+  @property
+  def num_queued(self) -> int:
+    return len(self._queue)
+
+  @property
+  def num_in_flight(self) -> int:
+    return sum(r is not None for r in self._occupant)
+
+  @property
+  def num_unreturned(self) -> int:
+    """Finished samples held for a later run."""
+    return len(self._finished)
+
+  # -- run -------------------------------------------------------------------------------------------
+
+  def run(self, params, policy_version: int, *, target_samples: int | None = None,
+          target_groups: int | None = None) -> RunResult:
+    """Generates until the target is met (or nothing is left); returns exactly the target's samples.
+
+    ``target_samples``: the first that many finished samples, in completion order. ``target_groups``:
+    that many groups whose ``group_size`` samples have all finished (groups split by an earlier
+    ``target_samples`` call never complete here). Neither: every finished sample once queue and slots
+    are empty. Fewer come back only when nothing is left to generate.
+    """
+    target = self._check_target(target_samples, target_groups)
+    t0, stats = time.perf_counter(), collections.Counter()
+    version = jax.device_put(np.int32(policy_version), self.programs.replicated)
+    if self._cache is None:
+      self._cache, self._kv_valid = self.programs.init_cache(), False
+    with jax.transfer_guard_device_to_host("disallow"):   # explicit fetches only: one per chunk
+      while True:
+        self._collect()
+        if self._target_met(target) or not (self._queue or self.num_in_flight):
+          break
+        if not self._kv_valid:
+          self._reprefill(params, stats)
+          self._kv_valid = True
+        self._refill(params, stats)
+        self._decode(params, version, stats)
+    result = self._take(target)
+    if not self.cfg.keep_cache:
+      jax.tree.map(lambda x: x.delete(), self._cache)
+      self._cache, self._kv_valid = None, False
+    stats.update(seconds=time.perf_counter() - t0, returned=len(result[1]), in_flight=self.num_in_flight,
+                 queued=len(self._queue), unreturned=len(self._finished))
+    stats["slot_utilization"] = stats["generated_tokens"] / max(1, stats["decode_steps"] * self.cfg.num_slots)
+    return RunResult(rollout=result[0], group_id_b=result[1], stats=dict(stats))
+
+  def _check_target(self, target_samples, target_groups):
+    if target_samples is not None and target_groups is not None:
+      raise ValueError("run: give at most one of target_samples and target_groups")
+    for name, value in (("target_samples", target_samples), ("target_groups", target_groups)):
+      if value is not None and not _positive_int(value):
+        raise ValueError(f"run: {name} must be None or a positive int, got {value!r}")
+    if target_samples is not None:
+      return ("samples", int(target_samples))
+    return ("groups", int(target_groups)) if target_groups is not None else None
+
+  def _complete_groups(self) -> list[int]:
+    """Groups whose samples have all finished and none been returned, in order of completion."""
+    count, last = collections.Counter(), {}
+    for f in self._finished:
+      count[f.group_id] += 1
+      last[f.group_id] = max(last.get(f.group_id, f.order), f.order)
+    done = [g for g, n in count.items() if n == self.cfg.group_size]
+    return sorted(done, key=lambda g: (last[g], g))
+
+  def _target_met(self, target) -> bool:
+    if target is None:
+      return False
+    kind, n = target
+    return (len(self._finished) if kind == "samples" else len(self._complete_groups())) >= n
+
+  def _take(self, target) -> tuple[Rollout, np.ndarray]:
+    self._finished.sort(key=lambda f: f.order)
+    if target is None:
+      taken, self._finished = self._finished, []
+    elif target[0] == "samples":
+      taken, self._finished = self._finished[:target[1]], self._finished[target[1]:]
+    else:
+      groups = self._complete_groups()[:target[1]]
+      rank = {g: i for i, g in enumerate(groups)}
+      taken = sorted((f for f in self._finished if f.group_id in rank),
+                     key=lambda f: (rank[f.group_id], f.row["sample_id_s"]))
+      self._finished = [f for f in self._finished if f.group_id not in rank]
+    return _stack([f.row for f in taken], self.cfg.spec.seq_len), np.asarray(
+        [f.group_id for f in taken], np.int32)
+
+  # -- slots -----------------------------------------------------------------------------------------
+
+  def _collect(self) -> None:
+    """Moves every occupied slot that is done (as of the last fetch) to the finished list."""
+    done = [s for s, r in enumerate(self._occupant) if r is not None and self._host.done_s[s]]
+    for s in sorted(done, key=lambda s: self._occupant[s].sample_id):
+      request = self._occupant[s]
+      row = {name: np.array(getattr(self._host, name)[s]) for name in _ROW_FIELDS}
+      self._finished.append(_Finished((self._chunks, request.sample_id), request.group_id, row))
+      self._occupant[s] = None
+
+  def _refill(self, params, stats) -> None:
+    free = [s for s, r in enumerate(self._occupant) if r is None]
+    if self.cfg.refill == "static" and len(free) < self.cfg.num_slots:
+      return
+    batch = []
+    while free and self._queue:
+      slot, request = free.pop(0), self._queue.popleft()
+      self._occupant[slot] = request
+      batch.append((slot, request))
+    for start in range(0, len(batch), self.rows):
+      self._prefill(params, batch[start:start + self.rows], True, self.cfg.spec.max_prompt_len, stats)
+
+  def _reprefill(self, params, stats) -> None:
+    """Recomputes the KV of every in-flight prefix (prompt + response so far) under ``params``."""
+    need = {s: int(self._host.prompt_len_s[s] + self._host.response_len_s[s] - 1)
+            for s, r in enumerate(self._occupant) if r is not None}
+    order = sorted(need, key=need.get)
+    for start in range(0, len(order), self.rows):
+      chunk = order[start:start + self.rows]
+      width = next(w for w in self.programs.widths if w >= need[chunk[-1]])
+      self._prefill(params, [(s, self._occupant[s]) for s in chunk], False, width, stats)
+      stats["reprefill_rows"] += len(chunk)
+
+  def _prefill(self, params, batch, is_new: bool, width: int, stats) -> None:
+    """One fixed-shape prefill call; rows past ``len(batch)`` point at slot S and are dropped."""
+    rows, spec = self.rows, self.cfg.spec
+    slot_r = np.full((rows,), self.cfg.num_slots, np.int32)
+    prompt_rp = np.zeros((rows, spec.max_prompt_len), np.int32)
+    prompt_len_r, sample_id_r, forced_r = (np.ones((rows,), np.int32), np.zeros((rows,), np.int32),
+                                           np.zeros((rows,), np.int32))
+    for i, (slot, request) in enumerate(batch):
+      slot_r[i], sample_id_r[i], forced_r[i] = slot, request.sample_id, request.forced_len or 0
+      prompt_len_r[i] = len(request.prompt)
+      prompt_rp[i, :len(request.prompt)] = request.prompt
+    is_new_r = np.full((rows,), is_new)
+    inputs = jax.device_put((slot_r, is_new_r, prompt_rp, prompt_len_r, sample_id_r, forced_r),
+                            self.programs.row_shardings)
+    self._state, self._cache = self.programs.prefill[width](params, self._cache, self._state, *inputs)
+    stats["prefill_calls"] += 1
+    if stats["prefill_calls"] % _PREFILLS_PER_BLOCK == 0:
+      jax.block_until_ready(self._state)
+
+  def _decode(self, params, version, stats) -> None:
+    min_done = self.cfg.num_slots + 1     # never: run the full chunk
+    if self.cfg.early_exit and self.cfg.refill == "continuous" and self._queue:
+      min_done = min(self.rows, len(self._queue))
+    scalars = jax.device_put((np.int32(self.cfg.chunk_steps), np.int32(min_done)), self.programs.replicated)
+    self._state, self._cache, steps, tokens = self.programs.decode(
+        params, self._cache, self._state, *scalars, self._rng, version)
+    self._host, steps, tokens = jax.device_get((self._state, steps, tokens))
+    self._chunks += 1
+    stats.update(decode_chunks=1, decode_steps=int(steps), generated_tokens=int(tokens))
+
+
+_ROW_FIELDS = ("tokens_st", "logp_st", "version_st", "prompt_len_s", "response_len_s", "finished_s",
+               "sample_id_s")
+
+
+def _stack(rows: list[dict], seq_len: int) -> Rollout:
+  """Host Rollout (numpy) from per-sample rows; zero rows gives arrays of leading size 0."""
+  def field(name, shape, dtype):
+    return np.stack([r[name] for r in rows]) if rows else np.zeros(shape, dtype)
+  return Rollout(
+      tokens_bt=field("tokens_st", (0, seq_len), np.int32), prompt_len_b=field("prompt_len_s", (0,), np.int32),
+      response_len_b=field("response_len_s", (0,), np.int32), logp_bt=field("logp_st", (0, seq_len), np.float32),
+      version_bt=field("version_st", (0, seq_len), np.int32), finished_b=field("finished_s", (0,), bool),
+      sample_id_b=field("sample_id_s", (0,), np.int32))

@@ -1,0 +1,144 @@
+"""Device side of the generation engine: per-slot state, fixed-shape prefill into slots, chunked decode.
+
+A fixed number of slots share one KV cache ``{'k','v'}: [L, S, T, K, H]`` with ``T = max_prompt_len +
+max_new_tokens``. Both programs here are pure functions that take the cache and the slot state donated and
+return them, so a refill never reallocates anything and shapes never change:
+
+* ``prefill`` takes R rows (a fixed count; unused rows carry slot index S and are dropped by every
+  scatter): it writes new samples' rows into the slot state, then recomputes the KV of each row's prefix
+  (prompt + response so far, except its newest token) in a temporary R-row cache of width W and scatters
+  that into the chosen slots' cache rows. W is one of a small fixed set of widths, one compile each.
+* ``decode_chunk`` advances every active slot by at most ``steps`` tokens in one ``lax.while_loop``
+  (``steps`` is a traced scalar, so one compile serves every chunk size) and exits early once no slot is
+  active, or once enough slots finished to be worth a refill (``min_done``, also traced). Every token, the first included, is sampled here: prefill only fills the cache, so a sample's
+  token t is always drawn from the logits of one decode step with key (rng, sample id, t), whichever
+  slot, chunk or call it lands in.
+
+This module never touches the host: the engine (``engine.py``) decides what goes where.
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from rl_fusion_jax import models
+from rl_fusion_jax.rollout.generate import GenerateSpec, _write
+from rl_fusion_jax.rollout.sampling import sample, sample_keys
+from rl_fusion_jax.types import Rollout
+
+
+@flax.struct.dataclass
+class SlotState:
+  """One row per slot; token rows hold prompt + response back to back, zero after (see types.Rollout)."""
+  tokens_st: Int[Array, "S T"]
+  logp_st: Float[Array, "S T"]
+  version_st: Int[Array, "S T"]
+  prompt_len_s: Int[Array, "S"]
+  response_len_s: Int[Array, "S"]
+  forced_len_s: Int[Array, "S"]     # > 0: the response ends at this length and EOS is ignored
+  finished_s: Bool[Array, "S"]      # ended by EOS (or, when forced, by reaching the forced length)
+  done_s: Bool[Array, "S"]          # finished or at max_new_tokens; also True for an empty slot
+  sample_id_s: Int[Array, "S"]
+
+  def to_rollout(self) -> Rollout:
+    return Rollout(tokens_bt=self.tokens_st, prompt_len_b=self.prompt_len_s,
+                   response_len_b=self.response_len_s, logp_bt=self.logp_st, version_bt=self.version_st,
+                   finished_b=self.finished_s, sample_id_b=self.sample_id_s)
+
+
+def empty_slots(num_slots: int, seq_len: int) -> SlotState:
+  """Every slot empty (done, so decode leaves it alone)."""
+  zeros_s = jnp.zeros((num_slots,), jnp.int32)
+  return SlotState(
+      tokens_st=jnp.zeros((num_slots, seq_len), jnp.int32),
+      logp_st=jnp.zeros((num_slots, seq_len), jnp.float32),
+      version_st=jnp.full((num_slots, seq_len), -1, jnp.int32),
+      prompt_len_s=zeros_s, response_len_s=zeros_s, forced_len_s=zeros_s,
+      finished_s=jnp.zeros((num_slots,), bool), done_s=jnp.ones((num_slots,), bool), sample_id_s=zeros_s)
+
+
+def _admit(state: SlotState, dest_r, prompt_rp, prompt_len_r, sample_id_r, forced_len_r) -> SlotState:
+  """Writes fresh samples into slots ``dest_r``; an index of S (out of range) drops that row."""
+  num_rows, width = prompt_rp.shape
+  seq_len = state.tokens_st.shape[1]
+  tokens_rt = jnp.zeros((num_rows, seq_len), jnp.int32).at[:, :width].set(prompt_rp)
+  put = lambda buf, value: buf.at[dest_r].set(value, mode="drop")
+  zeros_r = jnp.zeros((num_rows,), jnp.int32)
+  return state.replace(
+      tokens_st=put(state.tokens_st, tokens_rt),
+      logp_st=put(state.logp_st, jnp.zeros((num_rows, seq_len), jnp.float32)),
+      version_st=put(state.version_st, jnp.full((num_rows, seq_len), -1, jnp.int32)),
+      prompt_len_s=put(state.prompt_len_s, prompt_len_r), response_len_s=put(state.response_len_s, zeros_r),
+      forced_len_s=put(state.forced_len_s, forced_len_r),
+      finished_s=put(state.finished_s, jnp.zeros((num_rows,), bool)),
+      done_s=put(state.done_s, jnp.zeros((num_rows,), bool)), sample_id_s=put(state.sample_id_s, sample_id_r))
+
+
+def prefill(spec: GenerateSpec, width: int, params, cache, state: SlotState, slot_r, is_new_r, prompt_rp,
+            prompt_len_r, sample_id_r, forced_len_r):
+  """Admits the rows with ``is_new_r`` and rebuilds the KV of every row's prefix in slots ``slot_r``.
+
+  A row's prefix is its prompt plus response so far; the KV of all but its newest token is needed (decode
+  processes the newest one), and ``width`` must cover that. Positions past a row's prefix write pad KV,
+  which is harmless: decode overwrites position p before any token attends to it.
+  """
+  num_slots = state.done_s.shape[0]
+  state = _admit(state, jnp.where(is_new_r, slot_r, num_slots), prompt_rp, prompt_len_r, sample_id_r,
+                 forced_len_r)
+  tokens_rw = state.tokens_st.at[slot_r, :width].get(mode="fill", fill_value=0)
+  positions_rw = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens_rw.shape)
+  rows_cache = models.init_cache(spec.model, tokens_rw.shape[0], width, dtype=cache["k"].dtype)
+  # The logits are unused, so XLA drops the LM head from this program.
+  _, rows_cache = models.forward_with_cache(spec.model, params, tokens_rw, positions_rw, rows_cache)
+  cache = {name: cache[name].at[:, slot_r, :width].set(rows_cache[name], mode="drop") for name in cache}
+  return state, cache
+
+
+def _append(spec: GenerateSpec, state: SlotState, pos_s, token_s, logp_s, version) -> SlotState:
+  """Appends one sampled token at ``pos_s`` to every active slot and updates finished / done."""
+  active_s = ~state.done_s
+  response_len_s = state.response_len_s + active_s.astype(jnp.int32)
+  forced_s = state.forced_len_s > 0
+  eos_s = active_s & ~forced_s & (token_s == spec.eos_id)
+  finished_s = state.finished_s | eos_s | (active_s & forced_s & (response_len_s >= state.forced_len_s))
+  return state.replace(
+      tokens_st=_write(state.tokens_st, pos_s, token_s, active_s),
+      logp_st=_write(state.logp_st, pos_s, logp_s, active_s),
+      version_st=_write(state.version_st, pos_s, jnp.broadcast_to(version, token_s.shape), active_s),
+      response_len_s=response_len_s, finished_s=finished_s,
+      done_s=state.done_s | finished_s | (response_len_s >= spec.max_new_tokens))
+
+
+def decode_chunk(spec: GenerateSpec, params, cache, state: SlotState, steps, min_done, rng, version):
+  """At most ``steps`` decode steps over all slots; returns (state, cache, steps taken, tokens sampled).
+
+  Exits early when no slot is active, or once ``min_done`` slots finished during this chunk (the host
+  then has that many slots to refill; pass more than S to run the full ``steps``).
+  """
+  num_slots, seq_len = state.tokens_st.shape
+  rows = jnp.arange(num_slots)
+  done_at_start_s = state.done_s
+
+  def body(carry):
+    step, tokens, state, cache = carry
+    active_s = ~state.done_s
+    pos_s = state.prompt_len_s + state.response_len_s - 1          # each slot's newest token
+    last_s = state.tokens_st.at[rows, pos_s].get(mode="fill", fill_value=0)
+    write_s = jnp.where(active_s, pos_s, seq_len)                  # inactive slots write nothing
+    logits_s1v, cache = models.forward_with_cache(spec.model, params, last_s[:, None], write_s[:, None],
+                                                  cache)
+    keys_s = sample_keys(rng, state.sample_id_s, state.response_len_s)
+    token_s, logp_s = sample(logits_s1v[:, 0], keys_s, spec.sampling)
+    state = _append(spec, state, pos_s + 1, token_s, logp_s, version)
+    return step + 1, tokens + jnp.sum(active_s, dtype=jnp.int32), state, cache
+
+  def cond(carry):
+    step, _, state, _ = carry
+    newly_done = jnp.sum(state.done_s & ~done_at_start_s, dtype=jnp.int32)
+    return (step < steps) & ~jnp.all(state.done_s) & (newly_done < min_done)
+
+  zero = jnp.zeros((), jnp.int32)
+  step, tokens, state, cache = jax.lax.while_loop(cond, body, (zero, zero, state, cache))
+  return state, cache, step, tokens
