@@ -88,8 +88,11 @@ def main(argv):
       "generate_tokens_per_s": round(med("generate_tokens_per_s"), 1),
       "train_tokens_per_s": round(med("train_tokens_per_s"), 1),
       "response_len_mean": round(med("response_len_mean"), 2),
-      "batch": cfg.rollout.batch_size, "seq_len": cfg.rollout.seq_len,
+      "batch": cfg.rollout.batch_size, "seq_len": cfg.rollout.seq_len, "mode": cfg.fusion.mode,
   }
+  for key in sorted(rows[0]):   # phase switch / weight sync figures, when the mode has them
+    if key.startswith(("switch/", "sync/")):
+      out[key] = round(med(key), 4) if key.endswith("seconds") else med(key)
   del first
   print(json.dumps(out, sort_keys=True))
 

@@ -276,11 +276,6 @@ class ExperimentConfig:
       rollout_shards = rollout_sizes["data"]
     sizes = self.mesh.resolve(num_devices)
     rollout_shards = rollout_shards or sizes["data"] * sizes["fsdp"]
-    _require(self.rollout.slots % rollout_shards == 0, "rollout.num_slots",
-             f"{self.rollout.slots} slots do not divide over the generation mesh's {rollout_shards} "
-             "batch shards")
-    _require(self.task.eval_problems % rollout_shards == 0, "task.eval_problems",
-             f"must be divisible by the generation mesh's {rollout_shards} batch shards")
     batch_shards = sizes["data"] * sizes["fsdp"]
     per_micro = self.rollout.batch_size // self.optim.micro_batches
     _require(per_micro % batch_shards == 0, "rollout.num_prompts",
@@ -288,8 +283,10 @@ class ExperimentConfig:
              f"must divide over data * fsdp = {batch_shards} devices")
     _require(self.warmup.steps == 0 or self.warmup.batch_size % batch_shards == 0, "warmup.batch_size",
              f"must be divisible by data * fsdp = {batch_shards}")
-    _require(self.task.eval_problems % batch_shards == 0, "task.eval_problems",
-             f"must be divisible by data * fsdp = {batch_shards}")
+    for field, value in (("rollout.num_slots", self.rollout.slots),
+                         ("task.eval_problems", self.task.eval_problems)):
+      _require(value % rollout_shards == 0, field,
+               f"{value} does not divide over the generation mesh's {rollout_shards} batch shards")
     return sizes
 
 

@@ -128,3 +128,38 @@ def test_malformed_hf_checkpoint_fails_before_writing(tmp_path):
   with pytest.raises(ValueError, match="model.safetensors"):
     loop.run(cfg, str(tmp_path / "run"))
   assert not (tmp_path / "run").exists()
+
+
+def _save_reward_model(path, vocab_size=96, hidden=32):
+  import jax
+  from rl_fusion_jax.models import ModelConfig, reward_model
+  rm_cfg = ModelConfig(vocab_size=vocab_size, hidden_size=hidden, num_layers=1, num_heads=2,
+                       num_kv_heads=1, intermediate_size=32, qkv_bias=True, max_position_embeddings=32)
+  params = reward_model.init_reward_params(rm_cfg, jax.random.key(3), init_std=0.5)
+  reward_model.save_reward_model(rm_cfg, params, path)
+
+
+@pytest.mark.parametrize("mode", ["colocated", "full"])
+def test_learned_reward_model_adds_its_score(tmp_path, mode):
+  rm_path = str(tmp_path / "rm")
+  _save_reward_model(rm_path)
+  cfg = tiny(**{"task.reward_model": rm_path, "task.reward_model_weight": 0.5, "run.steps": 1,
+                "fusion.mode": mode})
+  loop.run(cfg, str(tmp_path / "run"))
+  row = [r for r in metrics_lib.read_metrics(str(tmp_path / "run")) if "loss" in r][0]
+  assert row["reward_model_score"] != 0.0
+  # reward = verifier reward (format 0.1 + correct 1.0) + 0.5 * score, averaged over the batch.
+  assert row["reward"] == pytest.approx(0.1 * row["format_rate"] + row["accuracy"]
+                                        + 0.5 * row["reward_model_score"], abs=1e-5)
+
+
+def test_reward_model_with_wrong_shapes_fails_at_start(tmp_path):
+  import safetensors.numpy
+  rm_path = tmp_path / "rm"
+  _save_reward_model(str(rm_path))
+  tensors = safetensors.numpy.load_file(str(rm_path / "model.safetensors"))
+  tensors["score.weight"] = tensors["score.weight"][:, :-1]
+  safetensors.numpy.save_file(tensors, str(rm_path / "model.safetensors"))
+  with pytest.raises(ValueError, match="score.weight"):
+    loop.run(tiny(**{"task.reward_model": str(rm_path)}), str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()

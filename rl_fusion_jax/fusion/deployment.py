@@ -36,19 +36,6 @@ def merge_rules(base: Rules, overrides) -> Rules:
   return tuple(table.items())
 
 
-def _move(tree, shardings, bucket_bytes: int):
-  """Bucketed copy of ``tree`` to ``shardings`` (any mesh or memory kind); deletes the source leaves."""
-  moved, _ = reshard.to_phase({"params": tree}, reshard.Phase.TRAIN, bucket_bytes=bucket_bytes,
-                              layouts=_params_only(shardings), offload_optimizer=False,
-                              track_memory=False)
-  return moved["params"]
-
-
-def _params_only(shardings) -> reshard.Layouts:
-  return reshard.Layouts(params={reshard.Phase.TRAIN: shardings, reshard.Phase.GENERATE: shardings},
-                         opt_device=None, opt_host=None, grads_device=None, grads_host=None)
-
-
 @dataclasses.dataclass
 class Deployment:
   """Meshes, layouts and residency of one run. Build with :func:`make_deployment`."""
@@ -96,11 +83,11 @@ class Deployment:
       return {}
     start = time.perf_counter()
     copy = jax.tree.map(lambda x: x.copy(), params)   # the training side keeps its own
-    old, self._rollout_params = self._rollout_params, _move(copy, self.rollout_param_shardings,
-                                                            self.bucket_bytes)
+    old = self._rollout_params
+    self._rollout_params, nbytes = reshard.move(copy, self.rollout_param_shardings,
+                                                bucket_bytes=self.bucket_bytes, name="params")
     if old is not None:
       jax.tree.map(lambda x: x.delete(), old)
-    nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
     return {"sync/seconds": time.perf_counter() - start, "sync/bytes": float(nbytes)}
 
   # --- reference and reward models -----------------------------------------------------------------
@@ -110,7 +97,7 @@ class Deployment:
     shardings = self.aux_shardings(params)
     if self.mode == "full":
       shardings = jax.tree.map(lambda s: s.with_memory_kind(reshard.HOST), shardings)
-    return _move(params, shardings, self.bucket_bytes)
+    return reshard.move(params, shardings, bucket_bytes=self.bucket_bytes, name="aux")[0]
 
   def aux_shardings(self, params):
     """Training-layout shardings on the training mesh for an aux model's params (same logical axes)."""

@@ -232,6 +232,11 @@ class Engine:
     """Finished samples held for a later run."""
     return len(self._finished)
 
+  @property
+  def held_cache_bytes(self) -> int:
+    """Device bytes of KV cache held now (0 between runs unless ``keep_cache``)."""
+    return 0 if self._cache is None else sum(x.nbytes for x in self._cache.values())
+
   # -- run -------------------------------------------------------------------------------------------
 
   def run(self, params, policy_version: int, *, target_samples: int | None = None,
@@ -381,7 +386,10 @@ def _stack(rows: list[dict], seq_len: int) -> Rollout:
   def field(name, shape, dtype):
     return np.stack([r[name] for r in rows]) if rows else np.zeros(shape, dtype)
   return Rollout(
-      tokens_bt=field("tokens_st", (0, seq_len), np.int32), prompt_len_b=field("prompt_len_s", (0,), np.int32),
-      response_len_b=field("response_len_s", (0,), np.int32), logp_bt=field("logp_st", (0, seq_len), np.float32),
-      version_bt=field("version_st", (0, seq_len), np.int32), finished_b=field("finished_s", (0,), bool),
+      tokens_bt=field("tokens_st", (0, seq_len), np.int32),
+      prompt_len_b=field("prompt_len_s", (0,), np.int32),
+      response_len_b=field("response_len_s", (0,), np.int32),
+      logp_bt=field("logp_st", (0, seq_len), np.float32),
+      version_bt=field("version_st", (0, seq_len), np.int32),
+      finished_b=field("finished_s", (0,), bool),
       sample_id_b=field("sample_id_s", (0,), np.int32))

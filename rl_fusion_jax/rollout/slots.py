@@ -10,9 +10,10 @@ return them, so a refill never reallocates anything and shapes never change:
   that into the chosen slots' cache rows. W is one of a small fixed set of widths, one compile each.
 * ``decode_chunk`` advances every active slot by at most ``steps`` tokens in one ``lax.while_loop``
   (``steps`` is a traced scalar, so one compile serves every chunk size) and exits early once no slot is
-  active, or once enough slots finished to be worth a refill (``min_done``, also traced). Every token, the first included, is sampled here: prefill only fills the cache, so a sample's
-  token t is always drawn from the logits of one decode step with key (rng, sample id, t), whichever
-  slot, chunk or call it lands in.
+  active, or once enough slots finished to be worth a refill (``min_done``, also traced). Every token,
+  the first included, is sampled here: prefill only fills the cache, so a sample's token t is always
+  drawn from the logits of one decode step with key (rng, sample id, t), whichever slot, chunk or call
+  it lands in.
 
 This module never touches the host: the engine (``engine.py``) decides what goes where.
 """

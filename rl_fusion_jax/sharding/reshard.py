@@ -213,6 +213,17 @@ def _move_tree(flat: tuple[list, list, Any], field: str, bucket_bytes: int, trac
   return treedef.unflatten(leaves), moved_bytes, [sum(costs[j] for j in bucket) for bucket in plan]
 
 
+def move(tree, shardings, *, bucket_bytes: int, name: str = "tree") -> tuple[Any, int]:
+  """Bucketed copy of ``tree`` to ``shardings`` (another layout, memory kind or mesh) -> (tree, bytes).
+
+  The moved source leaves are deleted, as in ``to_phase``; used for the weights sent to a rollout mesh
+  and for auxiliary models moving between host and device.
+  """
+  _check_args(Phase.TRAIN, bucket_bytes)
+  moved, nbytes, _ = _move_tree(_leaves(tree, shardings, name), name, bucket_bytes, None)
+  return moved, nbytes
+
+
 # ---------------------------------------------------------------------------------------------------
 # The switch.
 
