@@ -11,7 +11,8 @@ from the queue (``refill='continuous'``: any free slot; ``'static'``: only when 
 batch-at-a-time baseline) -> decode a chunk of at most ``chunk_steps`` steps -> fetch the slot state
 (the one device-to-host transfer per chunk; nothing is read back per token). With ``early_exit`` (the
 default) a continuous chunk also ends as soon as ``prefill_rows`` slots (or as many as there are queued
-prompts) finished, so free slots wait for at most one prefill call's worth of company, not for K steps.
+prompts) finished, so free slots wait for at most one prefill call's worth of company, not for K steps;
+and a run with ``target_samples`` ends its last chunk as soon as the target is met.
 
 Determinism: the engine's base key comes from ``seed`` and token t of a sample is drawn with key
 (seed, sample id, t), always from the logits of one decode step. Under fixed weights a sample's tokens
@@ -40,12 +41,12 @@ from collections.abc import Iterable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jax.numpy as jnp
+from jax.sharding import Mesh
 
-from rl_fusion_jax import models
 from rl_fusion_jax.rollout import slots
 from rl_fusion_jax.rollout.generate import GenerateSpec
-from rl_fusion_jax.sharding.mesh import BATCH_AXES, batch_shards, batch_sharding, replicated
+from rl_fusion_jax.sharding.mesh import batch_shards
 from rl_fusion_jax.types import Rollout
 
 REFILL_POLICIES = ("continuous", "static")
@@ -117,49 +118,6 @@ class RunResult:
   stats: dict
 
 
-def prefill_widths(max_prompt_len: int, seq_len: int) -> tuple[int, ...]:
-  """Prefill widths, one compile each: the prompt width, then doubling up to the full row.
-
-  Fresh prompts use the first; a re-prefilled prefix the smallest that holds it, so recomputing a short
-  partial response does not pay for a full-row forward.
-  """
-  widths = [max_prompt_len]
-  while widths[-1] * 2 < seq_len:
-    widths.append(widths[-1] * 2)
-  return tuple(widths) + (seq_len,)
-
-
-class _Programs:
-  """The compiled programs of one (spec, slots, rows, mesh, param layout); shared by equal engines."""
-
-  def __init__(self, spec: GenerateSpec, num_slots: int, rows: int, mesh: Mesh, param_shardings):
-    b1, b2, rep = batch_sharding(mesh, 1), batch_sharding(mesh, 2), replicated(mesh)
-    self.cache_sharding = NamedSharding(mesh, P(None, BATCH_AXES))
-    self.row_shardings = (b1, b1, b2, b1, b1, b1)
-    self.replicated = rep
-    state_sh = slots.SlotState(tokens_st=b2, logp_st=b2, version_st=b2, prompt_len_s=b1, response_len_s=b1,
-                               forced_len_s=b1, finished_s=b1, done_s=b1, sample_id_s=b1)
-    cache_sh = self.cache_sharding
-    self.widths = prefill_widths(spec.max_prompt_len, spec.seq_len)
-    self.prefill = {
-        w: jax.jit(functools.partial(slots.prefill, spec, w), donate_argnums=(1, 2),
-                   in_shardings=(param_shardings, cache_sh, state_sh) + self.row_shardings,
-                   out_shardings=(state_sh, cache_sh))
-        for w in self.widths}
-    self.decode = jax.jit(functools.partial(slots.decode_chunk, spec), donate_argnums=(1, 2),
-                          in_shardings=(param_shardings, cache_sh, state_sh, rep, rep, rep, rep),
-                          out_shardings=(state_sh, cache_sh, rep, rep))
-    self.init_cache = jax.jit(functools.partial(models.init_cache, spec.model, num_slots, spec.seq_len),
-                              out_shardings=cache_sh)
-    self.empty = jax.jit(functools.partial(slots.empty_slots, num_slots, spec.seq_len),
-                         out_shardings=state_sh)
-
-
-@functools.lru_cache(maxsize=16)
-def _programs(spec, num_slots, rows, mesh, treedef, sharding_leaves) -> _Programs:
-  return _Programs(spec, num_slots, rows, mesh, jax.tree.unflatten(treedef, sharding_leaves))
-
-
 @dataclasses.dataclass
 class _Finished:
   order: tuple[int, int]      # (chunk counter when collected, sample id): completion order
@@ -180,7 +138,7 @@ class Engine:
       raise ValueError(f"EngineConfig.prefill_rows: {rows} is not a multiple of the {shards} batch shards")
     self.cfg, self.rows = cfg, rows
     leaves, treedef = jax.tree.flatten(param_shardings)
-    self.programs = _programs(cfg.spec, cfg.num_slots, rows, mesh, treedef, tuple(leaves))
+    self.programs = slots.programs(cfg.spec, cfg.num_slots, rows, mesh, treedef, tuple(leaves))
     self._rng = jax.random.key(cfg.seed)
     self._state = self.programs.empty()
     self._host = jax.device_get(self._state)     # the slot state as of the last fetch
@@ -250,21 +208,21 @@ class Engine:
     """
     target = self._check_target(target_samples, target_groups)
     t0, stats = time.perf_counter(), collections.Counter()
-    version = jax.device_put(np.int32(policy_version), self.programs.replicated)
-    if self._cache is None:
-      self._cache, self._kv_valid = self.programs.init_cache(), False
+    version = jax.device_put(jnp.asarray(policy_version, jnp.int32), self.programs.replicated)
     with jax.transfer_guard_device_to_host("disallow"):   # explicit fetches only: one per chunk
       while True:
         self._collect()
         if self._target_met(target) or not (self._queue or self.num_in_flight):
           break
+        if self._cache is None:
+          self._cache, self._kv_valid = self.programs.init_cache(), False
         if not self._kv_valid:
           self._reprefill(params, stats)
           self._kv_valid = True
         self._refill(params, stats)
-        self._decode(params, version, stats)
+        self._decode(params, version, target, stats)
     result = self._take(target)
-    if not self.cfg.keep_cache:
+    if not self.cfg.keep_cache and self._cache is not None:
       jax.tree.map(lambda x: x.delete(), self._cache)
       self._cache, self._kv_valid = None, False
     stats.update(seconds=time.perf_counter() - t0, returned=len(result[1]), in_flight=self.num_in_flight,
@@ -312,7 +270,7 @@ class Engine:
     return _stack([f.row for f in taken], self.cfg.spec.seq_len), np.asarray(
         [f.group_id for f in taken], np.int32)
 
-  # -- slots -----------------------------------------------------------------------------------------
+  # -- slots: the host side of slots.py's programs -------------------------------------------------
 
   def _collect(self) -> None:
     """Moves every occupied slot that is done (as of the last fetch) to the finished list."""
@@ -365,11 +323,14 @@ class Engine:
     if stats["prefill_calls"] % _PREFILLS_PER_BLOCK == 0:
       jax.block_until_ready(self._state)
 
-  def _decode(self, params, version, stats) -> None:
+  def _decode(self, params, version, target, stats) -> None:
     min_done = self.cfg.num_slots + 1     # never: run the full chunk
     if self.cfg.early_exit and self.cfg.refill == "continuous" and self._queue:
       min_done = min(self.rows, len(self._queue))
-    scalars = jax.device_put((np.int32(self.cfg.chunk_steps), np.int32(min_done)), self.programs.replicated)
+    if self.cfg.early_exit and target is not None and target[0] == "samples":
+      min_done = min(min_done, target[1] - len(self._finished))     # stop as soon as the target is met
+    scalars = jax.device_put((np.int32(self.cfg.chunk_steps), np.int32(min_done)),
+                             self.programs.replicated)
     self._state, self._cache, steps, tokens = self.programs.decode(
         params, self._cache, self._state, *scalars, self._rng, version)
     self._host, steps, tokens = jax.device_get((self._state, steps, tokens))

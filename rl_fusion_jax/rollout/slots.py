@@ -15,24 +15,28 @@ return them, so a refill never reallocates anything and shapes never change:
   drawn from the logits of one decode step with key (rng, sample id, t), whichever slot, chunk or call
   it lands in.
 
-This module never touches the host: the engine (``engine.py``) decides what goes where.
+``SlotPrograms`` jits them with explicit shardings (slot dimension over the mesh batch axes) and
+donation. This module never touches the host: the engine (``engine.py``) decides what goes where.
 """
 from __future__ import annotations
+
+import functools
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from rl_fusion_jax import models
 from rl_fusion_jax.rollout.generate import GenerateSpec, _write
 from rl_fusion_jax.rollout.sampling import sample, sample_keys
-from rl_fusion_jax.types import Rollout
+from rl_fusion_jax.sharding.mesh import BATCH_AXES, batch_sharding, replicated
 
 
 @flax.struct.dataclass
 class SlotState:
-  """One row per slot; token rows hold prompt + response back to back, zero after (see types.Rollout)."""
+  """One row per slot, laid out like types.Rollout: prompt + response back to back, zero after."""
   tokens_st: Int[Array, "S T"]
   logp_st: Float[Array, "S T"]
   version_st: Int[Array, "S T"]
@@ -42,11 +46,6 @@ class SlotState:
   finished_s: Bool[Array, "S"]      # ended by EOS (or, when forced, by reaching the forced length)
   done_s: Bool[Array, "S"]          # finished or at max_new_tokens; also True for an empty slot
   sample_id_s: Int[Array, "S"]
-
-  def to_rollout(self) -> Rollout:
-    return Rollout(tokens_bt=self.tokens_st, prompt_len_b=self.prompt_len_s,
-                   response_len_b=self.response_len_s, logp_bt=self.logp_st, version_bt=self.version_st,
-                   finished_b=self.finished_s, sample_id_b=self.sample_id_s)
 
 
 def empty_slots(num_slots: int, seq_len: int) -> SlotState:
@@ -143,3 +142,52 @@ def decode_chunk(spec: GenerateSpec, params, cache, state: SlotState, steps, min
   zero = jnp.zeros((), jnp.int32)
   step, tokens, state, cache = jax.lax.while_loop(cond, body, (zero, zero, state, cache))
   return state, cache, step, tokens
+
+
+def prefill_widths(max_prompt_len: int, seq_len: int) -> tuple[int, ...]:
+  """Prefill widths, one compile each: the prompt width, then doubling up to the full row.
+
+  Fresh prompts use the first; a re-prefilled prefix the smallest that holds it, so recomputing a short
+  partial response does not pay for a full-row forward.
+  """
+  widths = [max_prompt_len]
+  while widths[-1] * 2 < seq_len:
+    widths.append(widths[-1] * 2)
+  return tuple(widths) + (seq_len,)
+
+
+class SlotPrograms:
+  """The jitted programs of one (spec, slots, rows, mesh, param layout), with explicit shardings.
+
+  ``rows`` (the prefill row count) is fixed here so that each jitted prefill has exactly one compiled
+  shape; callers pass that many rows.
+  """
+
+  def __init__(self, spec: GenerateSpec, num_slots: int, rows: int, mesh: Mesh, param_shardings):
+    self.rows = rows
+    b1, b2, rep = batch_sharding(mesh, 1), batch_sharding(mesh, 2), replicated(mesh)
+    self.cache_sharding = NamedSharding(mesh, P(None, BATCH_AXES))
+    self.row_shardings = (b1, b1, b2, b1, b1, b1)
+    self.replicated = rep
+    state_sh = SlotState(tokens_st=b2, logp_st=b2, version_st=b2, prompt_len_s=b1, response_len_s=b1,
+                         forced_len_s=b1, finished_s=b1, done_s=b1, sample_id_s=b1)
+    cache_sh = self.cache_sharding
+    self.widths = prefill_widths(spec.max_prompt_len, spec.seq_len)
+    self.prefill = {
+        w: jax.jit(functools.partial(prefill, spec, w), donate_argnums=(1, 2),
+                   in_shardings=(param_shardings, cache_sh, state_sh) + self.row_shardings,
+                   out_shardings=(state_sh, cache_sh))
+        for w in self.widths}
+    self.decode = jax.jit(functools.partial(decode_chunk, spec), donate_argnums=(1, 2),
+                          in_shardings=(param_shardings, cache_sh, state_sh, rep, rep, rep, rep),
+                          out_shardings=(state_sh, cache_sh, rep, rep))
+    self.init_cache = jax.jit(functools.partial(models.init_cache, spec.model, num_slots, spec.seq_len),
+                              out_shardings=cache_sh)
+    self.empty = jax.jit(functools.partial(empty_slots, num_slots, spec.seq_len),
+                         out_shardings=state_sh)
+
+
+@functools.lru_cache(maxsize=16)
+def programs(spec, num_slots, rows, mesh, treedef, sharding_leaves) -> SlotPrograms:
+  """Shared by every engine with equal arguments (all hashable), so a new engine compiles nothing."""
+  return SlotPrograms(spec, num_slots, rows, mesh, jax.tree.unflatten(treedef, sharding_leaves))

@@ -1,0 +1,184 @@
+"""Engine against the batch Generator and a full recompute: tokens, log-probs, versions, schedules, errors."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rl_fusion_jax import models
+from rl_fusion_jax.config import MeshConfig
+from rl_fusion_jax.rollout.engine import Engine, EngineConfig, Request
+from rl_fusion_jax.rollout.generate import GenerateSpec, Generator
+from rl_fusion_jax.rollout.sampling import SamplingParams
+from rl_fusion_jax.sharding.mesh import make_mesh
+from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
+
+CFG = models.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                         intermediate_size=64, qkv_bias=True, max_position_embeddings=64)
+P, N, B = 6, 10, 24
+GREEDY, SAMPLED = SamplingParams(0.0), SamplingParams(1.0)
+DATA8 = MeshConfig(data=-1)
+# A token that 10 of the B greedy and 8 of the B sampled EOS-free responses contain (found once by
+# running the Generator without EOS): with it, rows stop at different steps and some never stop. The
+# tests assert that spread, so a change of model or prompts that loses it fails loudly.
+EOS = 20
+
+
+@functools.lru_cache(maxsize=None)
+def setup(mesh_cfg=DATA8, seed=0):
+  mesh = make_mesh(mesh_cfg)
+  shardings = param_shardings(models.abstract_params(CFG), models.param_logical_axes(CFG), mesh,
+                              TRAIN_RULES)
+  params = jax.device_put(models.init_params(CFG, jax.random.key(seed), init_std=0.5), shardings)
+  return mesh, shardings, params
+
+
+def prompts(seed=0):
+  rng = np.random.default_rng(seed)
+  lens = rng.integers(1, P + 1, size=B).astype(np.int32)
+  lens[0], lens[1] = 1, P
+  toks = np.zeros((B, P), np.int32)
+  for b, n in enumerate(lens):
+    toks[b, :n] = rng.integers(3, 60, size=n)
+  return toks, lens
+
+
+def make_requests(toks, lens, forced=None, group_size=1):
+  return [Request(b, b // group_size, toks[b, :lens[b]], None if forced is None else int(forced[b]))
+          for b in range(len(lens))]
+
+
+@functools.lru_cache(maxsize=None)
+def generator_reference(sampling, eos_id, mesh_cfg=DATA8, seed=0):
+  """The batch Generator's output for all B prompts, sample id b on row b, base key = seed."""
+  mesh, shardings, params = setup(mesh_cfg)
+  gen = Generator(GenerateSpec(CFG, sampling, P, N, eos_id), mesh, shardings)
+  toks, lens = prompts()
+  out = gen(params, jnp.asarray(toks), jnp.asarray(lens), jnp.arange(B, dtype=jnp.int32),
+            jax.random.key(seed), jnp.int32(7))
+  return jax.device_get(out)
+
+
+def make_engine(sampling, eos_id, num_slots=8, chunk_steps=3, mesh_cfg=DATA8, **kw):
+  mesh, shardings, _ = setup(mesh_cfg)
+  cfg = EngineConfig(GenerateSpec(CFG, sampling, P, N, eos_id), num_slots=num_slots,
+                     chunk_steps=chunk_steps, **kw)
+  return Engine(cfg, mesh, shardings)
+
+
+def run_all(engine, params, requests, version=7, target_samples=None):
+  """Adds ``requests``, calls run until every one came back; returns the rows sorted by sample id."""
+  engine.add(requests)
+  results = []
+  while engine.num_queued or engine.num_in_flight or engine.num_unreturned:
+    results.append(engine.run(params, version, target_samples=target_samples))
+  out = {k: np.concatenate([getattr(r.rollout, k) for r in results]) for k in (
+      "tokens_bt", "logp_bt", "version_bt", "prompt_len_b", "response_len_b", "finished_b", "sample_id_b")}
+  order = np.argsort(out["sample_id_b"])
+  return {k: v[order] for k, v in out.items()}, results
+
+
+def assert_same_as_generator(out, ref):
+  np.testing.assert_array_equal(out["sample_id_b"], np.arange(B))
+  np.testing.assert_array_equal(out["tokens_bt"], ref.tokens_bt)
+  np.testing.assert_array_equal(out["response_len_b"], ref.response_len_b)
+  np.testing.assert_array_equal(out["finished_b"], ref.finished_b)
+  np.testing.assert_array_equal(out["version_bt"], ref.version_bt)
+  np.testing.assert_allclose(out["logp_bt"], ref.logp_bt, atol=2e-5)
+
+
+@pytest.mark.parametrize("num_slots,chunk_steps,mesh_cfg", [
+    (8, 1, DATA8), (16, 64, DATA8), (4, 2, MeshConfig(data=2, fsdp=2, tensor=2))],
+    ids=["s8k1", "s16k64", "s4k2_d2f2t2"])
+def test_greedy_equals_generator(num_slots, chunk_steps, mesh_cfg):
+  ref = generator_reference(GREEDY, EOS, mesh_cfg)
+  assert 2 < ref.finished_b.sum() < B - 2       # rows stop early at different steps, others never
+  assert len(set(ref.response_len_b[ref.finished_b])) > 2
+  engine = make_engine(GREEDY, EOS, num_slots, chunk_steps, mesh_cfg)
+  out, _ = run_all(engine, setup(mesh_cfg)[2], make_requests(*prompts()))
+  assert_same_as_generator(out, ref)
+
+
+SCHEDULES = {
+    "s8_k1": dict(num_slots=8, chunk_steps=1),
+    "s16_k7_static": dict(num_slots=16, chunk_steps=7, refill="static"),
+    "s8_k4_no_early_exit": dict(num_slots=8, chunk_steps=4, early_exit=False),
+    "s8_k2_reversed": dict(num_slots=8, chunk_steps=2, reverse=True),
+    "s8_k3_split": dict(num_slots=8, chunk_steps=3, target_samples=5),
+    "s16_k2_split_keep_cache": dict(num_slots=16, chunk_steps=2, target_samples=3, keep_cache=True),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_sampled_tokens_do_not_depend_on_schedule(name):
+  kw = dict(SCHEDULES[name])
+  reverse, target = kw.pop("reverse", False), kw.pop("target_samples", None)
+  ref = generator_reference(SAMPLED, EOS)
+  assert 2 < ref.finished_b.sum() < B - 2
+  requests = make_requests(*prompts())
+  engine = make_engine(SAMPLED, EOS, **kw)
+  out, results = run_all(engine, setup()[2], requests[::-1] if reverse else requests, target_samples=target)
+  assert_same_as_generator(out, ref)
+  if target is not None:     # the run really was split, and in-flight samples were re-prefilled
+    assert len(results) > 2 and all(len(r.group_id_b) == target for r in results[:-2])
+    assert sum(r.stats.get("reprefill_rows", 0) for r in results) > 0 or kw.get("keep_cache")
+
+
+def test_another_seed_gives_other_tokens():
+  ref = generator_reference(SAMPLED, EOS)
+  out, _ = run_all(make_engine(SAMPLED, EOS, seed=1), setup()[2], make_requests(*prompts()))
+  assert (out["tokens_bt"] != ref.tokens_bt).mean() > 0.3
+
+
+def test_no_recompiles_and_one_fetch_per_chunk(monkeypatch):
+  fetches = []
+  real_get = jax.device_get
+  monkeypatch.setattr(jax, "device_get", lambda x: fetches.append(1) or real_get(x))
+  toks, lens = prompts()
+  forced = np.random.default_rng(4).integers(1, N + 1, size=B)
+  chunks = 0
+  for k, target, refill in ((1, 5, "continuous"), (4, None, "static"), (9, 2, "continuous")):
+    engine = make_engine(SAMPLED, EOS, num_slots=8, chunk_steps=k, refill=refill)
+    fetches.clear()
+    _, results = run_all(engine, setup()[2], make_requests(toks, lens, forced), target_samples=target)
+    chunks = sum(r.stats.get("decode_chunks", 0) for r in results)
+    assert len(fetches) == chunks > 0
+  programs = engine.programs
+  assert programs.decode._cache_size() == 1
+  assert all(fn._cache_size() <= 1 for fn in programs.prefill.values())
+  assert programs.prefill[P]._cache_size() == 1
+
+
+def test_bad_input_fails_with_named_field():
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    GenerateSpec(CFG, SAMPLED, P, 0, 5)
+  for top_p in (0.0, 1.5):
+    with pytest.raises(ValueError, match="top_p"):
+      SamplingParams(1.0, top_p=top_p)
+  spec = GenerateSpec(CFG, SAMPLED, P, N, 5)
+  with pytest.raises(ValueError, match="group_size"):
+    EngineConfig(spec, num_slots=8, group_size=3)
+  with pytest.raises(ValueError, match="refill"):
+    EngineConfig(spec, num_slots=8, refill="eager")
+  with pytest.raises(ValueError, match="num_slots"):
+    make_engine(SAMPLED, EOS, num_slots=4)       # 8 batch shards
+  with pytest.raises(ValueError, match="forced_len"):
+    Request(0, 0, [3], forced_len=0)
+  with pytest.raises(ValueError, match="prompt"):
+    Request(0, 0, [])
+  engine = make_engine(SAMPLED, EOS, group_size=2)
+  for bad, field in (([Request(0, 0, [3] * (P + 1))], "max_prompt_len"),
+                     ([Request(0, 0, [64])], "vocab_size"),
+                     ([Request(0, 0, [3]), Request(0, 1, [3])], "sample_id"),
+                     ([Request(i, 0, [3]) for i in range(3)], "group_id")):
+    with pytest.raises(ValueError, match=field):
+      engine.add(bad)
+  assert engine.num_queued == 0                # a rejected add queues nothing
+  engine.add([Request(0, 0, [3])])
+  with pytest.raises(ValueError, match="sample_id"):
+    engine.add([Request(0, 5, [3])])
+  with pytest.raises(ValueError, match="target"):
+    engine.run(setup()[2], 0, target_samples=1, target_groups=1)
+  with pytest.raises(ValueError, match="target_samples"):
+    engine.run(setup()[2], 0, target_samples=0)
