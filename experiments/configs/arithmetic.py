@@ -31,7 +31,7 @@ def get_config(arg: str = ""):
       train_rules=(), generate_rules=()))
   c.task = ml_collections.ConfigDict(dict(
       name="arithmetic", kwargs=dict(min_digits=1, max_digits=2, ops="+-"), tokenizer="char",
-      eval_seed=10_000, eval_problems=256, reward_model="", reward_model_weight=1.0))
+      eval_seed=10_000, eval_problems=512, reward_model="", reward_model_weight=1.0))
   c.rollout = ml_collections.ConfigDict(dict(
       num_prompts=16, group_size=8, max_prompt_len=8, max_new_tokens=6, temperature=1.0, top_k=0,
       top_p=1.0, num_slots=0, chunk_steps=16))
@@ -43,7 +43,7 @@ def get_config(arg: str = ""):
       micro_batches=1))
   c.warmup = ml_collections.ConfigDict(dict(steps=1000, batch_size=64, learning_rate=2e-3))
   c.run = ml_collections.ConfigDict(dict(
-      steps=500, seed=0, checkpoint_every=100, keep_checkpoints=2, progress_every_s=5.0, eval_every=0))
+      steps=300, seed=0, checkpoint_every=100, keep_checkpoints=2, progress_every_s=5.0, eval_every=100))
   if arg == "drgrpo":
     c.algo.advantage = "dr_grpo"
     c.algo.aggregation = "seq-mean-token-sum-norm"
