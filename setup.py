@@ -22,7 +22,7 @@ setuptools.setup(
         "jaxtyping>=0.2.36",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.8"],
         # Reference fixtures only (experiments/make_hf_fixtures.py); never imported by the package.
         "fixtures": ["torch>=2.3", "transformers>=4.45"],
         "tensorboard": ["tensorboardX>=2.6"],
