@@ -60,7 +60,7 @@ class GenerateSpec:
     return self.max_prompt_len + self.max_new_tokens
 
 
-def _write(buf_bt, pos_b, value_b, active_b):
+def put_at(buf_bt, pos_b, value_b, active_b):
   """buf[b, pos_b] = value_b where active_b; out-of-range positions are dropped."""
   rows = jnp.arange(buf_bt.shape[0])
   current = buf_bt.at[rows, pos_b].get(mode="fill", fill_value=0)
@@ -74,9 +74,9 @@ def _append(spec: GenerateSpec, state: DecodeState, pos_b, token_b, logp_b, vers
   response_len_b = state.response_len_b + active_b.astype(jnp.int32)
   finished_b = state.finished_b | (active_b & (token_b == spec.eos_id))
   return state.replace(
-      tokens_bt=_write(state.tokens_bt, pos_b, token_b, active_b),
-      logp_bt=_write(state.logp_bt, pos_b, logp_b, active_b),
-      version_bt=_write(state.version_bt, pos_b, version_b, active_b),
+      tokens_bt=put_at(state.tokens_bt, pos_b, token_b, active_b),
+      logp_bt=put_at(state.logp_bt, pos_b, logp_b, active_b),
+      version_bt=put_at(state.version_bt, pos_b, version_b, active_b),
       response_len_b=response_len_b, finished_b=finished_b,
       done_b=finished_b | (response_len_b >= spec.max_new_tokens))
 

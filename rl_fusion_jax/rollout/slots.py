@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from rl_fusion_jax import models
-from rl_fusion_jax.rollout.generate import GenerateSpec, _write
+from rl_fusion_jax.rollout.generate import GenerateSpec, put_at
 from rl_fusion_jax.rollout.sampling import sample, sample_keys
 from rl_fusion_jax.sharding.mesh import BATCH_AXES, batch_sharding, replicated
 
@@ -104,9 +104,9 @@ def _append(spec: GenerateSpec, state: SlotState, pos_s, token_s, logp_s, versio
   eos_s = active_s & ~forced_s & (token_s == spec.eos_id)
   finished_s = state.finished_s | eos_s | (active_s & forced_s & (response_len_s >= state.forced_len_s))
   return state.replace(
-      tokens_st=_write(state.tokens_st, pos_s, token_s, active_s),
-      logp_st=_write(state.logp_st, pos_s, logp_s, active_s),
-      version_st=_write(state.version_st, pos_s, jnp.broadcast_to(version, token_s.shape), active_s),
+      tokens_st=put_at(state.tokens_st, pos_s, token_s, active_s),
+      logp_st=put_at(state.logp_st, pos_s, logp_s, active_s),
+      version_st=put_at(state.version_st, pos_s, jnp.broadcast_to(version, token_s.shape), active_s),
       response_len_s=response_len_s, finished_s=finished_s,
       done_s=state.done_s | finished_s | (response_len_s >= spec.max_new_tokens))
 
