@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -92,8 +93,8 @@ def hf_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 # ----------------------------------------------------------------------------------------------- loading
 
 
-def read_config(path: str) -> ModelConfig:
-  """`ModelConfig` of the checkpoint folder `path`; errors name the folder or config.json and the key."""
+def read_config_json(path: str) -> tuple[str, Any]:
+  """(path of config.json, its parsed content) for a checkpoint folder; errors name the file."""
   if not os.path.isdir(path):
     raise FileNotFoundError(f"{path}: checkpoint folder does not exist")
   config_path = os.path.join(path, "config.json")
@@ -101,9 +102,14 @@ def read_config(path: str) -> ModelConfig:
     raise FileNotFoundError(f"{config_path}: missing config.json")
   try:
     with open(config_path, encoding="utf-8") as f:
-      d = json.load(f)
+      return config_path, json.load(f)
   except json.JSONDecodeError as e:
     raise ValueError(f"{config_path}: malformed JSON ({e})") from None
+
+
+def read_config(path: str) -> ModelConfig:
+  """`ModelConfig` of the checkpoint folder `path`; errors name the folder or config.json and the key."""
+  config_path, d = read_config_json(path)
   try:
     return ModelConfig.from_hf_dict(d)
   except (ValueError, TypeError) as e:

@@ -179,14 +179,7 @@ def save_reward_model(cfg: ModelConfig, params: RewardParams, path: str | os.Pat
 
 def read_reward_config(path: str) -> ModelConfig:
   """The decoder config of a reward checkpoint folder; errors name config.json and the key."""
-  config_path = os.path.join(path, "config.json")
-  if not os.path.isfile(config_path):
-    raise FileNotFoundError(f"{config_path}: missing config.json")
-  try:
-    with open(config_path, encoding="utf-8") as f:
-      d = json.load(f)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{config_path}: malformed JSON ({e})") from None
+  config_path, d = hf_io.read_config_json(path)
   model_type = d.get("model_type") if isinstance(d, Mapping) else None
   if model_type not in ARCHITECTURES or d.get("architectures") != [ARCHITECTURES[model_type]]:
     raise ValueError(f"{config_path}: architectures {d.get('architectures') if isinstance(d, Mapping) else d!r}"
