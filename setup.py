@@ -1,4 +1,5 @@
 """Packaging for rl_fusion_jax."""
+
 import setuptools
 
 setuptools.setup(

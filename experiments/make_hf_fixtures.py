@@ -10,6 +10,7 @@ live model to bfloat16 also rounds its rotary `inv_freq` buffer, an error no fre
 Weights are drawn with std 0.2 and biases / norm weights moved away from 0 / 1, so a wrong layout,
 a missing bias or a misplaced norm changes the logits by far more than the 1e-4 the tests allow.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,28 +21,75 @@ from absl import app, flags
 FIXTURES = {
     # Qwen2, untied head, float32, GQA 4:2.
     "qwen2_f32": dict(
-        model_type="qwen2", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-6,
-        max_position_embeddings=128, tie_word_embeddings=False, dtype="float32"),
+        model_type="qwen2",
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        dtype="float32",
+    ),
     # Qwen2, tied head, bfloat16 weights, multi-query (one kv head), large rope_theta.
     "qwen2_tied_bf16": dict(
-        model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, rope_theta=1000000.0, rms_norm_eps=1e-5,
-        max_position_embeddings=128, tie_word_embeddings=True, dtype="bfloat16"),
+        model_type="qwen2",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        dtype="bfloat16",
+    ),
     # Llama (no biases), untied, GQA 4:2, head_dim 16 != hidden_size / heads = 8.
     "llama_gqa_f32": dict(
-        model_type="llama", vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-5,
-        max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-        dtype="float32"),
+        model_type="llama",
+        vocab_size=80,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        dtype="float32",
+    ),
     # Llama with llama3 rope scaling; original_max_position_embeddings=64 puts the 8 frequencies of
     # head_dim 16 in all three bands (kept, interpolated, divided by factor).
     "llama3_rope": dict(
-        model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, rope_theta=500000.0, rms_norm_eps=1e-5,
-        max_position_embeddings=256, tie_word_embeddings=False, dtype="float32",
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=64)),
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        dtype="float32",
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    ),
 }
 REFERENCE_SHAPE = (2, 20)  # (batch, tokens) of the reference inputs
 
@@ -53,6 +101,7 @@ flags.DEFINE_list("only", [], "Names of FIXTURES to (re)build; all when empty.")
 def _dtype_kwarg(torch_dtype) -> dict:
   """`dtype=` on transformers 5, `torch_dtype=` on 4.x."""
   import transformers  # pylint: disable=import-outside-toplevel
+
   major = int(transformers.__version__.split(".")[0])
   return {"dtype": torch_dtype} if major >= 5 else {"torch_dtype": torch_dtype}
 
@@ -61,6 +110,7 @@ def build_model(spec: dict, seed: int):
   """A random float32 transformers model for `spec` (a FIXTURES entry), weights perturbed as described."""
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
+
   spec = {k: v for k, v in spec.items() if k != "dtype"}
   config = transformers.AutoConfig.for_model(**spec, attn_implementation="eager")
   torch.manual_seed(seed)
@@ -82,8 +132,10 @@ def reference_logits(folder: str, tokens: np.ndarray) -> np.ndarray:
   """Float32 logits of the checkpoint in `folder`, reloaded from disk in float32 with eager attention."""
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
+
   model = transformers.AutoModelForCausalLM.from_pretrained(
-      folder, attn_implementation="eager", **_dtype_kwarg(torch.float32)).eval()
+      folder, attn_implementation="eager", **_dtype_kwarg(torch.float32)
+  ).eval()
   with torch.no_grad():
     return model(torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
 
@@ -91,13 +143,17 @@ def reference_logits(folder: str, tokens: np.ndarray) -> np.ndarray:
 def write_fixture(spec: dict, folder: str, seed: int = 0, shape: tuple[int, int] = REFERENCE_SHAPE) -> None:
   """Saves the model for `spec` to `folder` (in spec['dtype']) and its reference.npz."""
   import torch  # pylint: disable=import-outside-toplevel
+
   model = build_model(spec, seed)
   if spec["dtype"] == "bfloat16":
     model = model.to(torch.bfloat16)  # only for saving; the reference reloads from disk
   model.save_pretrained(folder, safe_serialization=True)
   tokens = np.random.default_rng(seed).integers(0, spec["vocab_size"], size=shape).astype(np.int32)
-  np.savez(os.path.join(folder, "reference.npz"), tokens=tokens,
-           logits=reference_logits(folder, tokens).astype(np.float32))
+  np.savez(
+      os.path.join(folder, "reference.npz"),
+      tokens=tokens,
+      logits=reference_logits(folder, tokens).astype(np.float32),
+  )
 
 
 def main(argv):

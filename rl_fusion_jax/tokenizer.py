@@ -15,6 +15,7 @@ Conventions every caller can rely on:
 
 This module never touches jax: tokenization happens on the host, outside jitted code.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,29 +26,23 @@ from typing import Any, Protocol, runtime_checkable
 
 import tokenizers
 
-__all__ = [
-    "DEFAULT_ALPHABET",
-    "CharTokenizer",
-    "HFTokenizer",
-    "Tokenizer",
-    "load_tokenizer",
-]
+__all__ = ["DEFAULT_ALPHABET", "CharTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
 
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    """What generation and the tasks need from a tokenizer."""
+  """What generation and the tasks need from a tokenizer."""
 
-    vocab_size: int
-    pad_id: int
-    eos_id: int
-    bos_id: int | None
+  vocab_size: int
+  pad_id: int
+  eos_id: int
+  bos_id: int | None
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of `text`, without bos or eos."""
+  def encode(self, text: str) -> list[int]:
+    """Ids of `text`, without bos or eos."""
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of `ids`; pad ids are dropped, eos does not end the text."""
+  def decode(self, ids: Sequence[int]) -> str:
+    """Text of `ids`; pad ids are dropped, eos does not end the text."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -56,7 +51,8 @@ class Tokenizer(Protocol):
 
 # Enough for the procedural tasks ("12+345=", "3 5 7 -> 22:") and short GSM8K-style text.
 DEFAULT_ALPHABET = (
-    string.digits + string.ascii_lowercase + string.ascii_uppercase + " +-*/()=:,.?#\n<>!'\"$%;_")
+    string.digits + string.ascii_lowercase + string.ascii_uppercase + " +-*/()=:,.?#\n<>!'\"$%;_"
+)
 
 _CHAR_JSON_TYPE = "char"
 _NUM_SPECIAL = 3  # pad, bos, eos come before the alphabet.
@@ -66,86 +62,89 @@ _UNUSED_ID_TEXT = "\ufffd"
 
 
 class CharTokenizer:
-    """One id per character: 0 = pad, 1 = bos, 2 = eos, then the alphabet in order.
+  """One id per character: 0 = pad, 1 = bos, 2 = eos, then the alphabet in order.
 
-    Plain attributes only, so instances pickle; `to_json` / `from_json` save it next to a checkpoint.
-    """
+  Plain attributes only, so instances pickle; `to_json` / `from_json` save it next to a checkpoint.
+  """
 
-    def __init__(self, alphabet: str = DEFAULT_ALPHABET, vocab_size: int | None = None):
-        _check_alphabet(alphabet)
-        needed = _NUM_SPECIAL + len(alphabet)
-        if vocab_size is None:
-            vocab_size = needed
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < needed:
-            raise ValueError(
-                f"CharTokenizer: vocab_size={vocab_size!r} is smaller than the {needed} ids needed "
-                f"({_NUM_SPECIAL} special + {len(alphabet)} characters)")
-        self.alphabet = alphabet
-        self.vocab_size = vocab_size
-        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
-        self._char_to_id = {ch: _NUM_SPECIAL + i for i, ch in enumerate(alphabet)}
+  def __init__(self, alphabet: str = DEFAULT_ALPHABET, vocab_size: int | None = None):
+    _check_alphabet(alphabet)
+    needed = _NUM_SPECIAL + len(alphabet)
+    if vocab_size is None:
+      vocab_size = needed
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < needed:
+      raise ValueError(
+          f"CharTokenizer: vocab_size={vocab_size!r} is smaller than the {needed} ids needed "
+          f"({_NUM_SPECIAL} special + {len(alphabet)} characters)"
+      )
+    self.alphabet = alphabet
+    self.vocab_size = vocab_size
+    self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+    self._char_to_id = {ch: _NUM_SPECIAL + i for i, ch in enumerate(alphabet)}
 
-    def encode(self, text: str) -> list[int]:
-        ids = []
-        for pos, ch in enumerate(text):
-            token_id = self._char_to_id.get(ch)
-            if token_id is None:
-                raise ValueError(
-                    f"CharTokenizer.encode: character {ch!r} at position {pos} is not in the alphabet")
-            ids.append(token_id)
-        return ids
+  def encode(self, text: str) -> list[int]:
+    ids = []
+    for pos, ch in enumerate(text):
+      token_id = self._char_to_id.get(ch)
+      if token_id is None:
+        raise ValueError(f"CharTokenizer.encode: character {ch!r} at position {pos} is not in the alphabet")
+      ids.append(token_id)
+    return ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of `ids`; pad, bos and eos have no text, unused padded ids give U+FFFD."""
-        pieces = []
-        for pos, token_id in enumerate(ids):
-            token_id = int(token_id)
-            if not 0 <= token_id < self.vocab_size:
-                raise ValueError(
-                    f"CharTokenizer.decode: id {token_id} at position {pos} is outside "
-                    f"[0, vocab_size={self.vocab_size})")
-            if token_id < _NUM_SPECIAL:
-                continue
-            index = token_id - _NUM_SPECIAL
-            pieces.append(self.alphabet[index] if index < len(self.alphabet) else _UNUSED_ID_TEXT)
-        return "".join(pieces)
+  def decode(self, ids: Sequence[int]) -> str:
+    """Text of `ids`; pad, bos and eos have no text, unused padded ids give U+FFFD."""
+    pieces = []
+    for pos, token_id in enumerate(ids):
+      token_id = int(token_id)
+      if not 0 <= token_id < self.vocab_size:
+        raise ValueError(
+            f"CharTokenizer.decode: id {token_id} at position {pos} is outside "
+            f"[0, vocab_size={self.vocab_size})"
+        )
+      if token_id < _NUM_SPECIAL:
+        continue
+      index = token_id - _NUM_SPECIAL
+      pieces.append(self.alphabet[index] if index < len(self.alphabet) else _UNUSED_ID_TEXT)
+    return "".join(pieces)
 
-    def to_json(self) -> str:
-        return json.dumps(
-            {"type": _CHAR_JSON_TYPE, "alphabet": self.alphabet, "vocab_size": self.vocab_size})
+  def to_json(self) -> str:
+    return json.dumps({"type": _CHAR_JSON_TYPE, "alphabet": self.alphabet, "vocab_size": self.vocab_size})
 
-    @classmethod
-    def from_json(cls, text: str) -> CharTokenizer:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"CharTokenizer.from_json: not valid JSON ({e})") from e
-        if not isinstance(data, dict) or data.get("type") != _CHAR_JSON_TYPE:
-            raise ValueError(f"CharTokenizer.from_json: field 'type' must be {_CHAR_JSON_TYPE!r}")
-        for field, kind in (("alphabet", str), ("vocab_size", int)):
-            if not isinstance(data.get(field), kind):
-                raise ValueError(f"CharTokenizer.from_json: field {field!r} must be a {kind.__name__}")
-        return cls(alphabet=data["alphabet"], vocab_size=data["vocab_size"])
+  @classmethod
+  def from_json(cls, text: str) -> CharTokenizer:
+    try:
+      data = json.loads(text)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"CharTokenizer.from_json: not valid JSON ({e})") from e
+    if not isinstance(data, dict) or data.get("type") != _CHAR_JSON_TYPE:
+      raise ValueError(f"CharTokenizer.from_json: field 'type' must be {_CHAR_JSON_TYPE!r}")
+    for field, kind in (("alphabet", str), ("vocab_size", int)):
+      if not isinstance(data.get(field), kind):
+        raise ValueError(f"CharTokenizer.from_json: field {field!r} must be a {kind.__name__}")
+    return cls(alphabet=data["alphabet"], vocab_size=data["vocab_size"])
 
-    def __eq__(self, other: object) -> bool:
-        return (isinstance(other, CharTokenizer) and self.alphabet == other.alphabet
-                and self.vocab_size == other.vocab_size)
+  def __eq__(self, other: object) -> bool:
+    return (
+        isinstance(other, CharTokenizer)
+        and self.alphabet == other.alphabet
+        and self.vocab_size == other.vocab_size
+    )
 
-    def __hash__(self) -> int:
-        return hash((self.alphabet, self.vocab_size))
+  def __hash__(self) -> int:
+    return hash((self.alphabet, self.vocab_size))
 
-    def __repr__(self) -> str:
-        return f"CharTokenizer(alphabet={self.alphabet!r}, vocab_size={self.vocab_size})"
+  def __repr__(self) -> str:
+    return f"CharTokenizer(alphabet={self.alphabet!r}, vocab_size={self.vocab_size})"
 
 
 def _check_alphabet(alphabet: str) -> None:
-    if not isinstance(alphabet, str) or not alphabet:
-        raise ValueError(f"CharTokenizer: alphabet must be a non-empty str, got {alphabet!r}")
-    seen = set()
-    for pos, ch in enumerate(alphabet):
-        if ch in seen:
-            raise ValueError(f"CharTokenizer: alphabet repeats character {ch!r} at position {pos}")
-        seen.add(ch)
+  if not isinstance(alphabet, str) or not alphabet:
+    raise ValueError(f"CharTokenizer: alphabet must be a non-empty str, got {alphabet!r}")
+  seen = set()
+  for pos, ch in enumerate(alphabet):
+    if ch in seen:
+      raise ValueError(f"CharTokenizer: alphabet repeats character {ch!r} at position {pos}")
+    seen.add(ch)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -161,114 +160,135 @@ TokenSpec = str | int | None  # A token's text, its id, or unset.
 
 
 class HFTokenizer:
-    """A `tokenizers.Tokenizer` with resolved special-token ids.
+  """A `tokenizers.Tokenizer` with resolved special-token ids.
 
-    pad falls back to eos when no pad token is configured (the usual choice for decoder-only models).
-    `vocab_size` may be padded up to the model's embedding size, never below the tokenizer's own.
-    """
+  pad falls back to eos when no pad token is configured (the usual choice for decoder-only models).
+  `vocab_size` may be padded up to the model's embedding size, never below the tokenizer's own.
+  """
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, *, eos_id: int, pad_id: int | None = None,
-                 bos_id: int | None = None, vocab_size: int | None = None, source: str = "<memory>"):
-        own_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        vocab_size = own_size if vocab_size is None else vocab_size
-        if vocab_size < own_size:
-            raise ValueError(f"HFTokenizer({source}): vocab_size={vocab_size} is smaller than the "
-                             f"tokenizer's {own_size} tokens")
-        for field, value in (("eos_id", eos_id), ("pad_id", pad_id), ("bos_id", bos_id)):
-            if value is not None and not 0 <= value < own_size:
-                raise ValueError(f"HFTokenizer({source}): {field}={value} outside [0, {own_size})")
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.eos_id = eos_id
-        self.pad_id = eos_id if pad_id is None else pad_id
-        self.bos_id = bos_id
-        self.source = source
+  def __init__(
+      self,
+      tokenizer: tokenizers.Tokenizer,
+      *,
+      eos_id: int,
+      pad_id: int | None = None,
+      bos_id: int | None = None,
+      vocab_size: int | None = None,
+      source: str = "<memory>",
+  ):
+    own_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    vocab_size = own_size if vocab_size is None else vocab_size
+    if vocab_size < own_size:
+      raise ValueError(
+          f"HFTokenizer({source}): vocab_size={vocab_size} is smaller than the "
+          f"tokenizer's {own_size} tokens"
+      )
+    for field, value in (("eos_id", eos_id), ("pad_id", pad_id), ("bos_id", bos_id)):
+      if value is not None and not 0 <= value < own_size:
+        raise ValueError(f"HFTokenizer({source}): {field}={value} outside [0, {own_size})")
+    self.tokenizer = tokenizer
+    self.vocab_size = vocab_size
+    self.eos_id = eos_id
+    self.pad_id = eos_id if pad_id is None else pad_id
+    self.bos_id = bos_id
+    self.source = source
 
-    @classmethod
-    def from_file(cls, path: str | os.PathLike, *, eos_token: TokenSpec = None,
-                  pad_token: TokenSpec = None, bos_token: TokenSpec = None,
-                  vocab_size: int | None = None) -> HFTokenizer:
-        """Loads `path` (a tokenizer.json or a folder holding one); explicit tokens win over configs."""
-        path = _resolve_tokenizer_json(os.fspath(path))
-        try:
-            tokenizer = tokenizers.Tokenizer.from_file(path)
-        except Exception as e:  # The Rust binding raises a bare Exception for every failure.
-            raise ValueError(f"HFTokenizer: cannot load tokenizer file {path}: {e}") from e
-        configured = _read_special_tokens(os.path.dirname(path))
-        explicit = {"eos": eos_token, "pad": pad_token, "bos": bos_token}
-        ids = {}
-        for role, value in explicit.items():
-            spec = value if value is not None else configured.get(role)
-            ids[role] = _token_id(tokenizer, spec, role, path)
-        if ids["eos"] is None:
-            raise ValueError(f"HFTokenizer: no eos token for {path}: none in {' / '.join(_CONFIG_FILES)} "
-                             "next to it; pass eos_token=")
-        return cls(tokenizer, eos_id=ids["eos"], pad_id=ids["pad"], bos_id=ids["bos"],
-                   vocab_size=vocab_size, source=path)
+  @classmethod
+  def from_file(
+      cls,
+      path: str | os.PathLike,
+      *,
+      eos_token: TokenSpec = None,
+      pad_token: TokenSpec = None,
+      bos_token: TokenSpec = None,
+      vocab_size: int | None = None,
+  ) -> HFTokenizer:
+    """Loads `path` (a tokenizer.json or a folder holding one); explicit tokens win over configs."""
+    path = _resolve_tokenizer_json(os.fspath(path))
+    try:
+      tokenizer = tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # The Rust binding raises a bare Exception for every failure.
+      raise ValueError(f"HFTokenizer: cannot load tokenizer file {path}: {e}") from e
+    configured = _read_special_tokens(os.path.dirname(path))
+    explicit = {"eos": eos_token, "pad": pad_token, "bos": bos_token}
+    ids = {}
+    for role, value in explicit.items():
+      spec = value if value is not None else configured.get(role)
+      ids[role] = _token_id(tokenizer, spec, role, path)
+    if ids["eos"] is None:
+      raise ValueError(
+          f"HFTokenizer: no eos token for {path}: none in {' / '.join(_CONFIG_FILES)} "
+          "next to it; pass eos_token="
+      )
+    return cls(
+        tokenizer, eos_id=ids["eos"], pad_id=ids["pad"], bos_id=ids["bos"], vocab_size=vocab_size, source=path
+    )
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+  def encode(self, text: str) -> list[int]:
+    return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of `ids` with pad ids dropped; other special tokens keep their text."""
-        kept = [int(i) for i in ids if int(i) != self.pad_id]
-        return self.tokenizer.decode(kept, skip_special_tokens=False)
+  def decode(self, ids: Sequence[int]) -> str:
+    """Text of `ids` with pad ids dropped; other special tokens keep their text."""
+    kept = [int(i) for i in ids if int(i) != self.pad_id]
+    return self.tokenizer.decode(kept, skip_special_tokens=False)
 
-    def __repr__(self) -> str:
-        return (f"HFTokenizer(source={self.source!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id}, "
-                f"pad_id={self.pad_id}, bos_id={self.bos_id})")
+  def __repr__(self) -> str:
+    return (
+        f"HFTokenizer(source={self.source!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id}, "
+        f"pad_id={self.pad_id}, bos_id={self.bos_id})"
+    )
 
 
 def _resolve_tokenizer_json(path: str) -> str:
-    if os.path.isdir(path):
-        path = os.path.join(path, TOKENIZER_FILE)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"HFTokenizer: tokenizer file not found: {path}")
-    return path
+  if os.path.isdir(path):
+    path = os.path.join(path, TOKENIZER_FILE)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"HFTokenizer: tokenizer file not found: {path}")
+  return path
 
 
 def _read_special_tokens(folder: str) -> dict[str, Any]:
-    """Role ('eos', 'pad', 'bos') -> token text from the optional config files in `folder`."""
-    found: dict[str, Any] = {}
-    for name in _CONFIG_FILES:
-        config_path = os.path.join(folder, name)
-        if not os.path.isfile(config_path):
-            continue
-        config = _load_json_object(config_path)
-        for role in ("eos", "pad", "bos"):
-            entry = config.get(f"{role}_token")
-            if role not in found and entry is not None:
-                found[role] = _token_text(entry, f"{config_path}: {role}_token")
-    return found
+  """Role ('eos', 'pad', 'bos') -> token text from the optional config files in `folder`."""
+  found: dict[str, Any] = {}
+  for name in _CONFIG_FILES:
+    config_path = os.path.join(folder, name)
+    if not os.path.isfile(config_path):
+      continue
+    config = _load_json_object(config_path)
+    for role in ("eos", "pad", "bos"):
+      entry = config.get(f"{role}_token")
+      if role not in found and entry is not None:
+        found[role] = _token_text(entry, f"{config_path}: {role}_token")
+  return found
 
 
 def _load_json_object(path: str) -> Mapping[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"HFTokenizer: cannot read {path}: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"HFTokenizer: {path} must hold a JSON object, got {type(data).__name__}")
-    return data
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f"HFTokenizer: cannot read {path}: {e}") from e
+  if not isinstance(data, dict):
+    raise ValueError(f"HFTokenizer: {path} must hold a JSON object, got {type(data).__name__}")
+  return data
 
 
 def _token_text(entry: Any, where: str) -> str:
-    # Configs write a token either as its text or as an AddedToken dict {"content": text, ...}.
-    if isinstance(entry, dict):
-        entry = entry.get("content")
-    if not isinstance(entry, str):
-        raise ValueError(f"HFTokenizer: {where} must be a string or {{'content': string}}")
-    return entry
+  # Configs write a token either as its text or as an AddedToken dict {"content": text, ...}.
+  if isinstance(entry, dict):
+    entry = entry.get("content")
+  if not isinstance(entry, str):
+    raise ValueError(f"HFTokenizer: {where} must be a string or {{'content': string}}")
+  return entry
 
 
 def _token_id(tokenizer: tokenizers.Tokenizer, spec: TokenSpec, role: str, path: str) -> int | None:
-    if spec is None or isinstance(spec, int):
-        return spec
-    token_id = tokenizer.token_to_id(spec)
-    if token_id is None:
-        raise ValueError(f"HFTokenizer: {role} token {spec!r} is not in the vocabulary of {path}")
-    return token_id
+  if spec is None or isinstance(spec, int):
+    return spec
+  token_id = tokenizer.token_to_id(spec)
+  if token_id is None:
+    raise ValueError(f"HFTokenizer: {role} token {spec!r} is not in the vocabulary of {path}")
+  return token_id
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -277,37 +297,39 @@ def _token_id(tokenizer: tokenizers.Tokenizer, spec: TokenSpec, role: str, path:
 
 
 def load_tokenizer(spec: str | os.PathLike, *, vocab_size: int | None = None) -> Tokenizer:
-    """`"char"` -> CharTokenizer; a tokenizer.json, a saved CharTokenizer JSON, or a folder holding either.
+  """`"char"` -> CharTokenizer; a tokenizer.json, a saved CharTokenizer JSON, or a folder holding either.
 
-    In a folder `tokenizer.json` wins over `char_tokenizer.json`. A JSON file is a saved CharTokenizer
-    when its top-level "type" is "char" (what `CharTokenizer.to_json` writes).
-    """
-    if spec == "char":
-        return CharTokenizer(vocab_size=vocab_size)
-    path = os.fspath(spec) if isinstance(spec, (str, os.PathLike)) else None
-    if path is None or not os.path.exists(path):
-        raise ValueError(f"load_tokenizer: {spec!r} is neither 'char' nor an existing tokenizer file "
-                         "or folder")
-    if os.path.isdir(path):
-        candidates = [os.path.join(path, name) for name in (TOKENIZER_FILE, CHAR_TOKENIZER_FILE)]
-        existing = [c for c in candidates if os.path.isfile(c)]
-        if not existing:
-            raise ValueError(f"load_tokenizer: folder {path} holds neither {TOKENIZER_FILE} nor "
-                             f"{CHAR_TOKENIZER_FILE}")
-        path = existing[0]
-    if _is_char_tokenizer_file(path):
-        with open(path, encoding="utf-8") as f:
-            tokenizer = CharTokenizer.from_json(f.read())
-        if vocab_size is not None and vocab_size != tokenizer.vocab_size:
-            tokenizer = CharTokenizer(tokenizer.alphabet, vocab_size=vocab_size)
-        return tokenizer
-    return HFTokenizer.from_file(path, vocab_size=vocab_size)
+  In a folder `tokenizer.json` wins over `char_tokenizer.json`. A JSON file is a saved CharTokenizer
+  when its top-level "type" is "char" (what `CharTokenizer.to_json` writes).
+  """
+  if spec == "char":
+    return CharTokenizer(vocab_size=vocab_size)
+  path = os.fspath(spec) if isinstance(spec, (str, os.PathLike)) else None
+  if path is None or not os.path.exists(path):
+    raise ValueError(
+        f"load_tokenizer: {spec!r} is neither 'char' nor an existing tokenizer file " "or folder"
+    )
+  if os.path.isdir(path):
+    candidates = [os.path.join(path, name) for name in (TOKENIZER_FILE, CHAR_TOKENIZER_FILE)]
+    existing = [c for c in candidates if os.path.isfile(c)]
+    if not existing:
+      raise ValueError(
+          f"load_tokenizer: folder {path} holds neither {TOKENIZER_FILE} nor " f"{CHAR_TOKENIZER_FILE}"
+      )
+    path = existing[0]
+  if _is_char_tokenizer_file(path):
+    with open(path, encoding="utf-8") as f:
+      tokenizer = CharTokenizer.from_json(f.read())
+    if vocab_size is not None and vocab_size != tokenizer.vocab_size:
+      tokenizer = CharTokenizer(tokenizer.alphabet, vocab_size=vocab_size)
+    return tokenizer
+  return HFTokenizer.from_file(path, vocab_size=vocab_size)
 
 
 def _is_char_tokenizer_file(path: str) -> bool:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return False  # Not ours; HFTokenizer.from_file reports the real problem with the path.
-    return isinstance(data, dict) and data.get("type") == _CHAR_JSON_TYPE
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+  except (OSError, ValueError):
+    return False  # Not ours; HFTokenizer.from_file reports the real problem with the path.
+  return isinstance(data, dict) and data.get("type") == _CHAR_JSON_TYPE

@@ -3,6 +3,7 @@
 Nothing in this package calls a model; the train step feeds it log-probs, logits, rewards and masks.
 Variants are looked up by name through `registry` so an ablation is a config string.
 """
+
 from rl_fusion_jax.algorithms.advantages import ADVANTAGE_SCALES, group_advantages, rloo_advantages
 from rl_fusion_jax.algorithms.losses import (
     AGGREGATION_MODES,

@@ -11,6 +11,7 @@ summing the micro-batch losses then reproduces the full-batch loss exactly, what
 
 Shapes: b = sequences, t = response tokens, v = vocabulary.
 """
+
 from __future__ import annotations
 
 import jax
@@ -22,15 +23,15 @@ AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-no
 
 
 def _as_float(x: ArrayLike) -> Array:
-    """Casts to at least float32: ratios of bf16 log-probs lose too much precision."""
-    x = jnp.asarray(x)
-    return x.astype(jnp.result_type(x.dtype, jnp.float32))
+  """Casts to at least float32: ratios of bf16 log-probs lose too much precision."""
+  x = jnp.asarray(x)
+  return x.astype(jnp.result_type(x.dtype, jnp.float32))
 
 
 def _safe_div(num: Array, den: Array) -> Array:
-    """num / den where den != 0, else 0; the inner `where` keeps gradients finite too."""
-    nonzero = den != 0
-    return jnp.where(nonzero, num / jnp.where(nonzero, den, 1.0), 0.0)
+  """num / den where den != 0, else 0; the inner `where` keeps gradients finite too."""
+  nonzero = den != 0
+  return jnp.where(nonzero, num / jnp.where(nonzero, den, 1.0), 0.0)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -39,22 +40,22 @@ def _safe_div(num: Array, den: Array) -> Array:
 
 
 def _check_clip_params(clip_low: float, clip_high: float, dual_clip: float | None) -> None:
-    if not 0.0 <= clip_low < 1.0:
-        raise ValueError(f"clip_low must be in [0, 1), got {clip_low!r}")
-    if not clip_high >= 0.0:
-        raise ValueError(f"clip_high must be >= 0, got {clip_high!r}")
-    if dual_clip is not None and not dual_clip > 1.0:
-        raise ValueError(f"dual_clip must be None or > 1, got {dual_clip!r}")
+  if not 0.0 <= clip_low < 1.0:
+    raise ValueError(f"clip_low must be in [0, 1), got {clip_low!r}")
+  if not clip_high >= 0.0:
+    raise ValueError(f"clip_high must be >= 0, got {clip_high!r}")
+  if dual_clip is not None and not dual_clip > 1.0:
+    raise ValueError(f"dual_clip must be None or > 1, got {dual_clip!r}")
 
 
 def _broadcast_adv(adv: ArrayLike, shape: tuple[int, ...]) -> Array:
-    """Accepts per-sequence [B] or per-token [B, T] advantages and returns them as [B, T]."""
-    adv = _as_float(adv)
-    if adv.shape == shape[:1]:
-        return jnp.broadcast_to(adv[:, None], shape)
-    if adv.shape == shape:
-        return adv
-    raise ValueError(f"adv must have shape {shape[:1]} (adv_b) or {shape} (adv_bt), got {adv.shape}")
+  """Accepts per-sequence [B] or per-token [B, T] advantages and returns them as [B, T]."""
+  adv = _as_float(adv)
+  if adv.shape == shape[:1]:
+    return jnp.broadcast_to(adv[:, None], shape)
+  if adv.shape == shape:
+    return adv
+  raise ValueError(f"adv must have shape {shape[:1]} (adv_b) or {shape} (adv_bt), got {adv.shape}")
 
 
 def clipped_surrogate(
@@ -66,56 +67,57 @@ def clipped_surrogate(
     clip_high: float = 0.2,
     dual_clip: float | None = None,
 ) -> tuple[Float[Array, "b t"], dict[str, Float[Array, "b t"]]]:
-    """Per-token clipped surrogate loss of PPO (Schulman et al. 2017), as used by GRPO.
+  """Per-token clipped surrogate loss of PPO (Schulman et al. 2017), as used by GRPO.
 
-    With ratio rho = exp(logp - old_logp) and advantage A:
+  With ratio rho = exp(logp - old_logp) and advantage A:
 
-        loss = -min(rho * A, clip(rho, 1 - clip_low, 1 + clip_high) * A)
+      loss = -min(rho * A, clip(rho, 1 - clip_low, 1 + clip_high) * A)
 
-    `clip_high > clip_low` is DAPO's clip-higher (Yu et al. 2025): more room for raising the probability
-    of unlikely tokens, which counters entropy collapse. With `dual_clip = c > 1` (Ye et al. 2020,
-    "Mastering Complex Control in MOBA Games with Deep RL") the loss of a negative-advantage token is
-    also capped, so a huge ratio cannot produce an unbounded update:
+  `clip_high > clip_low` is DAPO's clip-higher (Yu et al. 2025): more room for raising the probability
+  of unlikely tokens, which counters entropy collapse. With `dual_clip = c > 1` (Ye et al. 2020,
+  "Mastering Complex Control in MOBA Games with Deep RL") the loss of a negative-advantage token is
+  also capped, so a huge ratio cannot produce an unbounded update:
 
-        loss = min(loss, -c * A)    where A < 0
+      loss = min(loss, -c * A)    where A < 0
 
-    Gradients: d loss / d logp = -A * rho where neither clip is active, and 0 where one is.
+  Gradients: d loss / d logp = -A * rho where neither clip is active, and 0 where one is.
 
-    Args:
-      logp_bt: [B, T] log-probs of the sampled tokens under the policy being trained.
-      old_logp_bt: [B, T] log-probs under the policy that produced the samples (treated as a constant).
-      adv: [B] per-sequence advantages (broadcast over tokens) or [B, T] per-token advantages.
-      clip_low: epsilon below 1, in [0, 1).
-      clip_high: epsilon above 1, >= 0.
-      dual_clip: None, or the cap c > 1 for negative advantages.
+  Args:
+    logp_bt: [B, T] log-probs of the sampled tokens under the policy being trained.
+    old_logp_bt: [B, T] log-probs under the policy that produced the samples (treated as a constant).
+    adv: [B] per-sequence advantages (broadcast over tokens) or [B, T] per-token advantages.
+    clip_low: epsilon below 1, in [0, 1).
+    clip_high: epsilon above 1, >= 0.
+    dual_clip: None, or the cap c > 1 for negative advantages.
 
-    Returns:
-      loss_bt: [B, T] per-token loss (aggregate with `aggregate` / `token_weights`).
-      stats: per-token float arrays: "ratio"; "clipped" (1.0 where the PPO clip chose the clipped
-        term); "dual_clipped" (1.0 where the dual-clip cap was applied; always 0 when dual_clip is None).
-    """
-    _check_clip_params(clip_low, clip_high, dual_clip)
-    logp_bt, old_logp_bt = _as_float(logp_bt), _as_float(old_logp_bt)
-    if logp_bt.ndim != 2 or logp_bt.shape != old_logp_bt.shape:
-        raise ValueError(
-            f"logp_bt and old_logp_bt must be [B, T] of equal shape, got {logp_bt.shape} and {old_logp_bt.shape}")
-    adv_bt = _broadcast_adv(adv, logp_bt.shape)
-    ratio_bt = jnp.exp(logp_bt - jax.lax.stop_gradient(old_logp_bt))
-    unclipped_bt = ratio_bt * adv_bt
-    clipped_bt = jnp.clip(ratio_bt, 1.0 - clip_low, 1.0 + clip_high) * adv_bt
-    loss_bt = -jnp.minimum(unclipped_bt, clipped_bt)
-    dual_clipped_bt = jnp.zeros_like(loss_bt)
-    if dual_clip is not None:
-        cap_bt = -dual_clip * adv_bt
-        capped = (adv_bt < 0) & (loss_bt > cap_bt)
-        loss_bt = jnp.where(capped, cap_bt, loss_bt)
-        dual_clipped_bt = capped.astype(loss_bt.dtype)
-    stats = {
-        "ratio": ratio_bt,
-        "clipped": (clipped_bt < unclipped_bt).astype(loss_bt.dtype),
-        "dual_clipped": dual_clipped_bt,
-    }
-    return loss_bt, stats
+  Returns:
+    loss_bt: [B, T] per-token loss (aggregate with `aggregate` / `token_weights`).
+    stats: per-token float arrays: "ratio"; "clipped" (1.0 where the PPO clip chose the clipped
+      term); "dual_clipped" (1.0 where the dual-clip cap was applied; always 0 when dual_clip is None).
+  """
+  _check_clip_params(clip_low, clip_high, dual_clip)
+  logp_bt, old_logp_bt = _as_float(logp_bt), _as_float(old_logp_bt)
+  if logp_bt.ndim != 2 or logp_bt.shape != old_logp_bt.shape:
+    raise ValueError(
+        f"logp_bt and old_logp_bt must be [B, T] of equal shape, got {logp_bt.shape} and {old_logp_bt.shape}"
+    )
+  adv_bt = _broadcast_adv(adv, logp_bt.shape)
+  ratio_bt = jnp.exp(logp_bt - jax.lax.stop_gradient(old_logp_bt))
+  unclipped_bt = ratio_bt * adv_bt
+  clipped_bt = jnp.clip(ratio_bt, 1.0 - clip_low, 1.0 + clip_high) * adv_bt
+  loss_bt = -jnp.minimum(unclipped_bt, clipped_bt)
+  dual_clipped_bt = jnp.zeros_like(loss_bt)
+  if dual_clip is not None:
+    cap_bt = -dual_clip * adv_bt
+    capped = (adv_bt < 0) & (loss_bt > cap_bt)
+    loss_bt = jnp.where(capped, cap_bt, loss_bt)
+    dual_clipped_bt = capped.astype(loss_bt.dtype)
+  stats = {
+      "ratio": ratio_bt,
+      "clipped": (clipped_bt < unclipped_bt).astype(loss_bt.dtype),
+      "dual_clipped": dual_clipped_bt,
+  }
+  return loss_bt, stats
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -126,43 +128,43 @@ def clipped_surrogate(
 def kl_estimate(
     logp_bt: Float[ArrayLike, "b t"], ref_logp_bt: Float[ArrayLike, "b t"], kind: str
 ) -> Float[Array, "b t"]:
-    """Per-token sample estimate of KL(pi || pi_ref) for tokens sampled from pi (Schulman 2020,
-    "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html).
+  """Per-token sample estimate of KL(pi || pi_ref) for tokens sampled from pi (Schulman 2020,
+  "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html).
 
-    With log r = ref_logp - logp (so r = pi_ref / pi at the sampled token):
+  With log r = ref_logp - logp (so r = pi_ref / pi at the sampled token):
 
-        k1 = -log r                  unbiased, high variance, can be negative per token
-        k2 = 0.5 * (log r)^2         biased, low variance, >= 0
-        k3 = (r - 1) - log r         unbiased, low variance, >= 0 (the GRPO paper's KL term)
+      k1 = -log r                  unbiased, high variance, can be negative per token
+      k2 = 0.5 * (log r)^2         biased, low variance, >= 0
+      k3 = (r - 1) - log r         unbiased, low variance, >= 0 (the GRPO paper's KL term)
 
-    k3 is computed as expm1(log r) - log r, which keeps its non-negativity when r is close to 1. It
-    grows like r when pi_ref >> pi, so it overflows to inf for log r above ~88 in float32.
-    """
-    if kind not in KL_KINDS:
-        raise ValueError(f"unknown KL estimator kind {kind!r}; known: {', '.join(KL_KINDS)}")
-    logp_bt, ref_logp_bt = _as_float(logp_bt), _as_float(ref_logp_bt)
-    if logp_bt.shape != ref_logp_bt.shape:
-        raise ValueError(f"logp_bt and ref_logp_bt shapes differ: {logp_bt.shape} vs {ref_logp_bt.shape}")
-    log_r_bt = ref_logp_bt - logp_bt
-    if kind == "k1":
-        return -log_r_bt
-    if kind == "k2":
-        return 0.5 * jnp.square(log_r_bt)
-    return jnp.expm1(log_r_bt) - log_r_bt
+  k3 is computed as expm1(log r) - log r, which keeps its non-negativity when r is close to 1. It
+  grows like r when pi_ref >> pi, so it overflows to inf for log r above ~88 in float32.
+  """
+  if kind not in KL_KINDS:
+    raise ValueError(f"unknown KL estimator kind {kind!r}; known: {', '.join(KL_KINDS)}")
+  logp_bt, ref_logp_bt = _as_float(logp_bt), _as_float(ref_logp_bt)
+  if logp_bt.shape != ref_logp_bt.shape:
+    raise ValueError(f"logp_bt and ref_logp_bt shapes differ: {logp_bt.shape} vs {ref_logp_bt.shape}")
+  log_r_bt = ref_logp_bt - logp_bt
+  if kind == "k1":
+    return -log_r_bt
+  if kind == "k2":
+    return 0.5 * jnp.square(log_r_bt)
+  return jnp.expm1(log_r_bt) - log_r_bt
 
 
 def entropy_from_logits(logits_btv: Float[ArrayLike, "b t v"]) -> Float[Array, "b t"]:
-    """Entropy H = -sum_v p_v log p_v of softmax(logits) over the last axis, in float32.
+  """Entropy H = -sum_v p_v log p_v of softmax(logits) over the last axis, in float32.
 
-    log p comes from `log_softmax` (shifted by the max, so large logits do not overflow). Entries with
-    p == 0 (for instance -inf logits of masked vocabulary entries) contribute 0, the limit of p log p;
-    they are masked before the product so neither the value nor its gradient sees 0 * -inf. A row whose
-    logits are all -inf has no distribution and yields NaN.
-    """
-    logp_btv = jax.nn.log_softmax(jnp.asarray(logits_btv, jnp.float32), axis=-1)
-    p_btv = jnp.exp(logp_btv)
-    logp_btv = jnp.where(p_btv > 0, logp_btv, 0.0)
-    return -jnp.sum(p_btv * logp_btv, axis=-1)
+  log p comes from `log_softmax` (shifted by the max, so large logits do not overflow). Entries with
+  p == 0 (for instance -inf logits of masked vocabulary entries) contribute 0, the limit of p log p;
+  they are masked before the product so neither the value nor its gradient sees 0 * -inf. A row whose
+  logits are all -inf has no distribution and yields NaN.
+  """
+  logp_btv = jax.nn.log_softmax(jnp.asarray(logits_btv, jnp.float32), axis=-1)
+  p_btv = jnp.exp(logp_btv)
+  logp_btv = jnp.where(p_btv > 0, logp_btv, 0.0)
+  return -jnp.sum(p_btv * logp_btv, axis=-1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -171,63 +173,62 @@ def entropy_from_logits(logits_btv: Float[ArrayLike, "b t v"]) -> Float[Array, "
 
 
 def check_aggregation_mode(mode: str, norm_len: float | None = None) -> str:
-    """Validates an aggregation mode (and norm_len for the Dr. GRPO mode) and returns the mode."""
-    if mode not in AGGREGATION_MODES:
-        raise ValueError(f"unknown aggregation mode {mode!r}; known: {', '.join(AGGREGATION_MODES)}")
-    if mode == "seq-mean-token-sum-norm" and (norm_len is None or not norm_len > 0):
-        raise ValueError(
-            f"norm_len must be a positive constant (e.g. the max response length) for mode {mode!r}, "
-            f"got {norm_len!r}")
-    return mode
+  """Validates an aggregation mode (and norm_len for the Dr. GRPO mode) and returns the mode."""
+  if mode not in AGGREGATION_MODES:
+    raise ValueError(f"unknown aggregation mode {mode!r}; known: {', '.join(AGGREGATION_MODES)}")
+  if mode == "seq-mean-token-sum-norm" and (norm_len is None or not norm_len > 0):
+    raise ValueError(
+        f"norm_len must be a positive constant (e.g. the max response length) for mode {mode!r}, "
+        f"got {norm_len!r}"
+    )
+  return mode
 
 
-def token_weights(
-    mask_bt: ArrayLike, mode: str, *, norm_len: float | None = None
-) -> Float[Array, "b t"]:
-    """Per-token weights w such that the aggregated loss is sum(loss_bt * w_bt).
+def token_weights(mask_bt: ArrayLike, mode: str, *, norm_len: float | None = None) -> Float[Array, "b t"]:
+  """Per-token weights w such that the aggregated loss is sum(loss_bt * w_bt).
 
-    With m the 0/1 response mask, len_b = sum_t m_bt and S the number of sequences with len_b > 0:
+  With m the 0/1 response mask, len_b = sum_t m_bt and S the number of sequences with len_b > 0:
 
-        "token-mean"               w = m / sum(m)                  every token counts the same (DAPO,
-                                                                   Yu et al. 2025)
-        "seq-mean-token-mean"      w = m / (len_b * S)             mean over tokens, then over sequences
-                                                                   (GRPO, Shao et al. 2024)
-        "seq-mean-token-sum-norm"  w = m / (norm_len * S)          Dr. GRPO (Liu et al. 2025): a constant
-                                                                   norm_len removes the length bias
+      "token-mean"               w = m / sum(m)                  every token counts the same (DAPO,
+                                                                 Yu et al. 2025)
+      "seq-mean-token-mean"      w = m / (len_b * S)             mean over tokens, then over sequences
+                                                                 (GRPO, Shao et al. 2024)
+      "seq-mean-token-sum-norm"  w = m / (norm_len * S)          Dr. GRPO (Liu et al. 2025): a constant
+                                                                 norm_len removes the length bias
 
-    S counts only non-empty sequences, so all-padding rows (a batch topped up to a fixed shape) do not
-    dilute the loss. Compute the weights once on the full batch and slice them with the batch into
-    micro-batches: the sum of the micro-batch losses is then exactly the full-batch loss. Every
-    division is guarded: an empty mask gives all-zero weights, never NaN. `norm_len` is ignored by the
-    other two modes.
-    """
-    check_aggregation_mode(mode, norm_len)
-    mask_bt = jnp.asarray(mask_bt).astype(jnp.float32)
-    if mask_bt.ndim != 2:
-        raise ValueError(f"mask_bt must be [B, T], got shape {mask_bt.shape}")
-    if mode == "token-mean":
-        return _safe_div(mask_bt, jnp.sum(mask_bt))
-    len_b = jnp.sum(mask_bt, axis=1)
-    num_seqs = jnp.sum(len_b > 0).astype(jnp.float32)
-    if mode == "seq-mean-token-mean":
-        return _safe_div(mask_bt, (len_b * num_seqs)[:, None])
-    return _safe_div(mask_bt, jnp.float32(norm_len) * num_seqs)
+  S counts only non-empty sequences, so all-padding rows (a batch topped up to a fixed shape) do not
+  dilute the loss. Compute the weights once on the full batch and slice them with the batch into
+  micro-batches: the sum of the micro-batch losses is then exactly the full-batch loss. Every
+  division is guarded: an empty mask gives all-zero weights, never NaN. `norm_len` is ignored by the
+  other two modes.
+  """
+  check_aggregation_mode(mode, norm_len)
+  mask_bt = jnp.asarray(mask_bt).astype(jnp.float32)
+  if mask_bt.ndim != 2:
+    raise ValueError(f"mask_bt must be [B, T], got shape {mask_bt.shape}")
+  if mode == "token-mean":
+    return _safe_div(mask_bt, jnp.sum(mask_bt))
+  len_b = jnp.sum(mask_bt, axis=1)
+  num_seqs = jnp.sum(len_b > 0).astype(jnp.float32)
+  if mode == "seq-mean-token-mean":
+    return _safe_div(mask_bt, (len_b * num_seqs)[:, None])
+  return _safe_div(mask_bt, jnp.float32(norm_len) * num_seqs)
 
 
 def weighted_sum(loss_bt: Float[ArrayLike, "b t"], weights_bt: Float[ArrayLike, "b t"]) -> Float[Array, ""]:
-    """sum(loss_bt * weights_bt), the micro-batch form of `aggregate` (weights sliced from the full batch).
+  """sum(loss_bt * weights_bt), the micro-batch form of `aggregate` (weights sliced from the full batch).
 
-    Zero-weight positions are dropped with `where` rather than multiplied by 0, so garbage (inf/NaN) in
-    padded positions of loss_bt cannot leak into the value.
-    """
-    loss_bt, weights_bt = _as_float(loss_bt), jnp.asarray(weights_bt)
-    if loss_bt.shape != weights_bt.shape:
-        raise ValueError(f"loss_bt shape {loss_bt.shape} does not match weights_bt shape {weights_bt.shape}")
-    return jnp.sum(jnp.where(weights_bt != 0, loss_bt * weights_bt, 0.0))
+  Zero-weight positions are dropped with `where` rather than multiplied by 0, so garbage (inf/NaN) in
+  padded positions of loss_bt cannot leak into the value.
+  """
+  loss_bt, weights_bt = _as_float(loss_bt), jnp.asarray(weights_bt)
+  if loss_bt.shape != weights_bt.shape:
+    raise ValueError(f"loss_bt shape {loss_bt.shape} does not match weights_bt shape {weights_bt.shape}")
+  return jnp.sum(jnp.where(weights_bt != 0, loss_bt * weights_bt, 0.0))
 
 
 def aggregate(
     loss_bt: Float[ArrayLike, "b t"], mask_bt: ArrayLike, mode: str, *, norm_len: float | None = None
 ) -> Float[Array, ""]:
-    """Scalar loss sum(loss_bt * token_weights(mask_bt, mode)); see `token_weights` for the modes."""
-    return weighted_sum(loss_bt, token_weights(mask_bt, mode, norm_len=norm_len))
+  """Scalar loss sum(loss_bt * token_weights(mask_bt, mode)); see `token_weights` for the modes."""
+  return weighted_sum(loss_bt, token_weights(mask_bt, mode, norm_len=norm_len))

@@ -16,6 +16,7 @@ Call conventions of the tables:
 
 Importing this module only defines the tables: it registers nothing elsewhere and runs no JAX code.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,67 +33,69 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
 }
 POLICY_LOSSES: dict[str, Callable] = {"ppo_clip": losses.clipped_surrogate}
 KL_ESTIMATORS: dict[str, Callable] = {
-    kind: functools.partial(losses.kl_estimate, kind=kind) for kind in losses.KL_KINDS}
+    kind: functools.partial(losses.kl_estimate, kind=kind) for kind in losses.KL_KINDS
+}
 AGGREGATIONS: dict[str, Callable] = {
-    mode: functools.partial(losses.token_weights, mode=mode) for mode in losses.AGGREGATION_MODES}
+    mode: functools.partial(losses.token_weights, mode=mode) for mode in losses.AGGREGATION_MODES
+}
 
 
 def _lookup(table: dict[str, Callable], what: str, name: str) -> Callable:
-    if name not in table:
-        raise ValueError(f"unknown {what} {name!r}; known: {', '.join(sorted(table))}")
-    return table[name]
+  if name not in table:
+    raise ValueError(f"unknown {what} {name!r}; known: {', '.join(sorted(table))}")
+  return table[name]
 
 
 def _register(table: dict[str, Callable], what: str, name: str) -> Callable[[F], F]:
-    """Decorator factory adding a function to `table`; re-using a name is an error, not an override."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{what} name must be a non-empty string, got {name!r}")
+  """Decorator factory adding a function to `table`; re-using a name is an error, not an override."""
+  if not isinstance(name, str) or not name:
+    raise ValueError(f"{what} name must be a non-empty string, got {name!r}")
 
-    def decorator(fn: F) -> F:
-        if name in table:
-            raise ValueError(f"{what} {name!r} is already registered")
-        table[name] = fn
-        return fn
+  def decorator(fn: F) -> F:
+    if name in table:
+      raise ValueError(f"{what} {name!r} is already registered")
+    table[name] = fn
+    return fn
 
-    return decorator
+  return decorator
 
 
 def get_advantage_fn(name: str) -> Callable:
-    """Returns the advantage estimator `fn(rewards_b, group_size) -> adv_b` registered as `name`."""
-    return _lookup(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
+  """Returns the advantage estimator `fn(rewards_b, group_size) -> adv_b` registered as `name`."""
+  return _lookup(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
 
 
 def get_policy_loss(name: str) -> Callable:
-    """Returns the per-token policy loss `fn(logp_bt, old_logp_bt, adv, **hparams) -> (loss_bt, stats)`."""
-    return _lookup(POLICY_LOSSES, "policy loss", name)
+  """Returns the per-token policy loss `fn(logp_bt, old_logp_bt, adv, **hparams) -> (loss_bt, stats)`."""
+  return _lookup(POLICY_LOSSES, "policy loss", name)
 
 
 def get_kl_estimator(name: str) -> Callable:
-    """Returns the per-token KL estimator `fn(logp_bt, ref_logp_bt) -> kl_bt` registered as `name`."""
-    return _lookup(KL_ESTIMATORS, "KL estimator", name)
+  """Returns the per-token KL estimator `fn(logp_bt, ref_logp_bt) -> kl_bt` registered as `name`."""
+  return _lookup(KL_ESTIMATORS, "KL estimator", name)
 
 
 def get_token_weights_fn(name: str) -> Callable:
-    """Returns `fn(mask_bt, *, norm_len=None) -> weights_bt` for the aggregation mode `name`."""
-    return _lookup(AGGREGATIONS, "aggregation", name)
+  """Returns `fn(mask_bt, *, norm_len=None) -> weights_bt` for the aggregation mode `name`."""
+  return _lookup(AGGREGATIONS, "aggregation", name)
 
 
 def check_aggregation(name: str) -> str:
-    """Returns `name` if it is a known aggregation mode, else raises ValueError listing the known ones."""
-    _lookup(AGGREGATIONS, "aggregation", name)
-    return name
+  """Returns `name` if it is a known aggregation mode, else raises ValueError listing the known ones."""
+  _lookup(AGGREGATIONS, "aggregation", name)
+  return name
 
 
 def register_advantage(name: str) -> Callable[[F], F]:
-    """Decorator registering `fn(rewards_b, group_size) -> adv_b` under `name`."""
-    return _register(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
+  """Decorator registering `fn(rewards_b, group_size) -> adv_b` under `name`."""
+  return _register(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
 
 
 def register_policy_loss(name: str) -> Callable[[F], F]:
-    """Decorator registering `fn(logp_bt, old_logp_bt, adv, **hparams) -> (loss_bt, stats)` under `name`."""
-    return _register(POLICY_LOSSES, "policy loss", name)
+  """Decorator registering `fn(logp_bt, old_logp_bt, adv, **hparams) -> (loss_bt, stats)` under `name`."""
+  return _register(POLICY_LOSSES, "policy loss", name)
 
 
 def register_kl_estimator(name: str) -> Callable[[F], F]:
-    """Decorator registering `fn(logp_bt, ref_logp_bt) -> kl_bt` under `name`."""
-    return _register(KL_ESTIMATORS, "KL estimator", name)
+  """Decorator registering `fn(logp_bt, ref_logp_bt) -> kl_bt` under `name`."""
+  return _register(KL_ESTIMATORS, "KL estimator", name)

@@ -3,6 +3,7 @@
 Tasks turn an index into a Problem and a (Problem, completion) pair into a Score. They are host-side
 Python on text: nothing here calls a model or jax.
 """
+
 from rl_fusion_jax.rewards.arithmetic import ArithmeticTask
 from rl_fusion_jax.rewards.base import Problem, Score, Task, score_batch
 from rl_fusion_jax.rewards.countdown import CountdownTask

@@ -3,6 +3,7 @@
 Keyword arguments are checked against the constructor's signature before anything is built, so a typo
 in a config fails at start with the field's name instead of a TypeError deep in the loop.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -15,24 +16,19 @@ from rl_fusion_jax.rewards.gsm8k import GSM8KTask
 
 __all__ = ["TASKS", "make_task"]
 
-TASKS: dict[str, type] = {
-    "arithmetic": ArithmeticTask,
-    "countdown": CountdownTask,
-    "gsm8k": GSM8KTask,
-}
+TASKS: dict[str, type] = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "gsm8k": GSM8KTask}
 
 
 def make_task(name: str, **kwargs: Any) -> Task:
-    if name not in TASKS:
-        raise ValueError(f"make_task: unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
-    signature = inspect.signature(TASKS[name])
-    accepted = list(signature.parameters)
-    for key in kwargs:
-        if key not in accepted:
-            raise ValueError(
-                f"make_task: task {name!r} has no argument {key!r}; it accepts: {', '.join(accepted)}")
-    try:
-        signature.bind(**kwargs)
-    except TypeError as e:  # A required argument is missing, e.g. gsm8k's path.
-        raise ValueError(f"make_task: task {name!r}: {e}") from e
-    return TASKS[name](**kwargs)
+  if name not in TASKS:
+    raise ValueError(f"make_task: unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+  signature = inspect.signature(TASKS[name])
+  accepted = list(signature.parameters)
+  for key in kwargs:
+    if key not in accepted:
+      raise ValueError(f"make_task: task {name!r} has no argument {key!r}; it accepts: {', '.join(accepted)}")
+  try:
+    signature.bind(**kwargs)
+  except TypeError as e:  # A required argument is missing, e.g. gsm8k's path.
+    raise ValueError(f"make_task: task {name!r}: {e}") from e
+  return TASKS[name](**kwargs)
