@@ -57,8 +57,12 @@ def decode_responses(tokenizer: Tokenizer, tokens_bt: np.ndarray, prompt_len_b: 
   return out
 
 
-def to_global(mesh: Mesh, local: np.ndarray) -> jax.Array:
-  """This process's rows -> a global array split over the batch axes (dimension 0)."""
-  sharding = batch_sharding(mesh, local.ndim)
-  global_shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
-  return jax.make_array_from_process_local_data(sharding, local, global_shape)
+def to_global(mesh: Mesh, host: np.ndarray) -> jax.Array:
+  """A host batch -> a global array split over the batch axes (dimension 0).
+
+  Built shard by shard: each device receives only its own rows (never a replicated copy of the batch),
+  and with several processes each one fills only the shards of its own devices.
+  """
+  host = np.asarray(host)
+  sharding = batch_sharding(mesh, host.ndim)
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
