@@ -102,6 +102,13 @@ def _rewards(setup: Setup, programs: Programs, problems, rollout: Rollout, token
   return rewards.astype(np.float32), out
 
 
+def kv_cache_bytes(cfg) -> int:
+  """Bytes of the engine's KV cache (all devices), allocated after the switch and freed before training."""
+  m, r = cfg.model.config, cfg.rollout
+  itemsize = np.dtype(m.compute_dtype).itemsize
+  return 2 * m.num_layers * r.slots * r.seq_len * m.num_kv_heads * m.head_dim * itemsize
+
+
 def rl_step(setup: Setup, programs: Programs, state, ref_resting, step: int, timeline: Timeline):
   """Switch -> generate -> switch -> reward -> reference -> advantages -> update -> publish."""
   cfg, d, r = setup.cfg, programs.deployment, setup.cfg.rollout
@@ -155,5 +162,6 @@ def rl_step(setup: Setup, programs: Programs, state, ref_resting, step: int, tim
       "train_tokens_per_s": float(r.batch_size * r.seq_len) / train_s,
       "policy_version": float(step + 1),
       "engine/slot_utilization": float(result.stats.get("slot_utilization", 0.0)),
+      "engine/kv_cache_bytes": float(kv_cache_bytes(cfg)),
       "engine/decode_steps": float(result.stats.get("decode_steps", 0))}
   return state, metrics
