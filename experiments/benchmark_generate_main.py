@@ -35,6 +35,35 @@ _SIGMA = flags.DEFINE_float("sigma", 0.8, "Log-normal sigma of response lengths.
 _PHASE = flags.DEFINE_integer("phase_samples", 0, "Partial rollout: samples per phase (0: slots).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats per schedule (medians reported).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of weights, prompts and lengths.")
+_PRESET = flags.DEFINE_enum("preset", "", ["", "0.5b"], "Model shape preset (overrides the size flags): "
+                            "0.5b = Qwen2-0.5B shape (vocab 151936, hidden 896, 24 layers, 14/2 heads, "
+                            "MLP 4864, tied).")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Param and compute dtype.")
+_HBM = flags.DEFINE_float("hbm_gb_per_s", 4800.0, "Memory bandwidth for the decode roofline (H200: 4800).")
+
+PRESETS = {"0.5b": dict(vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                        intermediate_size=4864, tie_word_embeddings=True)}
+
+
+def model_config(models):
+  sizes = dict(vocab_size=_VOCAB.value, hidden_size=_HIDDEN.value, num_layers=_LAYERS.value,
+               num_heads=_HEADS.value, num_kv_heads=_KV_HEADS.value, intermediate_size=_MLP.value)
+  sizes.update(PRESETS.get(_PRESET.value, {}))
+  return models.ModelConfig(**sizes, qkv_bias=True, dtype=_DTYPE.value, param_dtype=_DTYPE.value,
+                            max_position_embeddings=_PROMPT_LEN.value + _MAX_NEW.value)
+
+
+def roofline(cfg, params, slots: int, seq_len: int, measured: float) -> dict:
+  """Decode upper bound: every step reads all weights and the whole fixed-shape KV cache once."""
+  import jax  # pylint: disable=g-import-not-at-top
+  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  itemsize = 2 if cfg.dtype == "bfloat16" else 4
+  kv_bytes = 2 * cfg.num_layers * slots * seq_len * cfg.num_kv_heads * cfg.head_dim * itemsize
+  step_s = (weight_bytes + kv_bytes) / (_HBM.value * 1e9)
+  bound = slots / step_s
+  return {"roofline": {"weight_bytes": weight_bytes, "kv_cache_bytes": kv_bytes,
+                       "bound_tokens_per_s": round(bound, 1), "continuous_tokens_per_s": measured,
+                       "fraction_of_bound": round(measured / bound, 4)}}
 _CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/rl_fusion_jax/jax_cache",
                              "Persistent XLA compilation cache ('' disables).")
 
@@ -53,10 +82,7 @@ def main(argv):
   from rl_fusion_jax.sharding import mesh as mesh_lib
   from rl_fusion_jax.sharding.rules import GENERATE_RULES, param_shardings
 
-  cfg = models.ModelConfig(vocab_size=_VOCAB.value, hidden_size=_HIDDEN.value, num_layers=_LAYERS.value,
-                           num_heads=_HEADS.value, num_kv_heads=_KV_HEADS.value,
-                           intermediate_size=_MLP.value, qkv_bias=True,
-                           max_position_embeddings=_PROMPT_LEN.value + _MAX_NEW.value)
+  cfg = model_config(models)
   mesh = mesh_lib.make_mesh(config_lib.MeshConfig(data=-1))
   shardings = param_shardings(models.abstract_params(cfg), models.param_logical_axes(cfg), mesh,
                               GENERATE_RULES)
@@ -68,7 +94,7 @@ def main(argv):
   lengths = workload.long_tail_lengths(rng, _SAMPLES.value, median=_MEDIAN.value, sigma=_SIGMA.value,
                                        max_len=_MAX_NEW.value)
   requests = workload.make_requests(rng, lengths, group_size=_GROUP.value, prompt_len=_PROMPT_LEN.value,
-                                    vocab_size=_VOCAB.value)
+                                    vocab_size=cfg.vocab_size)
   lens = {"p50": float(np.percentile(lengths, 50)), "p99": float(np.percentile(lengths, 99)),
           "mean": float(lengths.mean()), "max": int(lengths.max())}
   phase = _PHASE.value or _SLOTS.value
@@ -95,6 +121,8 @@ def main(argv):
   static = medians["static"]["tokens_per_s"]
   print(json.dumps({"ratios_vs_static": {s: round(m["tokens_per_s"] / static, 3) for s, m in medians.items()},
                     "p99_over_p50": round(lens["p99"] / lens["p50"], 2)}, sort_keys=True))
+  print(json.dumps(roofline(cfg, params, _SLOTS.value, spec.seq_len, medians["continuous"]["tokens_per_s"]),
+                   sort_keys=True))
 
 
 if __name__ == "__main__":

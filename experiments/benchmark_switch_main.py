@@ -20,7 +20,7 @@ from absl import app, flags
 
 import common
 
-_MODEL = flags.DEFINE_enum("model", "tiny", ["tiny", "100m"], "Model size preset.")
+_MODEL = flags.DEFINE_enum("model", "tiny", ["tiny", "100m", "0.5b"], "Model size preset.")
 _BUCKET_MB = flags.DEFINE_float("bucket_mb", 16.0, "Bucket size in MiB (per-device destination bytes).")
 _OFFLOAD = flags.DEFINE_bool("offload_optimizer", True, "Move the optimizer state to pinned host memory.")
 _MESH = flags.DEFINE_list("mesh", ["2", "2", "2"], "Mesh sizes data,fsdp,tensor.")
@@ -34,6 +34,9 @@ _PRESETS = {
                  intermediate_size=688, qkv_bias=True, tie_word_embeddings=False),
     "100m": dict(vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4,
                  intermediate_size=2048, qkv_bias=True, tie_word_embeddings=True),
+    # Qwen2-0.5B shape (494M params, tied embedding), float32: the GPU check of the RL Fusion issue.
+    "0.5b": dict(vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                 intermediate_size=4864, qkv_bias=True, tie_word_embeddings=True),
 }
 
 

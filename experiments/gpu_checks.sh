@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The GPU checks of the RL Fusion and generation-engine issues, as one prepared script for a lent GPU
+# machine (one H200; its image has jax with CUDA, flax, optax, orbax, chex, absl, safetensors, tokenizers,
+# but not ml-collections: carry its wheel in .whl/ as the device README says). Run from the repo root:
+#
+#   bash experiments/gpu_checks.sh 2>&1 | tee $OUT/gpu_checks.log
+#
+# Prints JSON lines: the phase switch of a Qwen2-0.5B-shaped model with and without optimizer offload
+# (seconds, bytes, peak device memory from the allocator), decode tokens/s against the HBM roofline, and
+# the tiny-grpo step time.
+set -uo pipefail
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+for offload in true false; do
+  python3 experiments/benchmark_switch_main.py --model=0.5b --mesh=1,1,1 --cpu_devices=1 --bucket_mb=64 \
+    --offload_optimizer=$offload --repeats=3
+done
+python3 experiments/benchmark_generate_main.py --preset=0.5b --dtype=bfloat16 --slots=256 --samples=1024 \
+  --max_new_tokens=512 --median_len=64 --chunk=64 --prefill_rows=64 --repeats=1
+python3 experiments/benchmark_main.py --config=experiments/configs/tiny_grpo.py --steps=10
