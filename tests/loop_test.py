@@ -163,3 +163,13 @@ def test_reward_model_with_wrong_shapes_fails_at_start(tmp_path):
   with pytest.raises(ValueError, match="score.weight"):
     loop.run(tiny(**{"task.reward_model": str(rm_path)}), str(tmp_path / "run"))
   assert not (tmp_path / "run").exists()
+
+
+def test_tensorboard_without_tensorboardx_fails_before_writing(tmp_path, monkeypatch):
+  import importlib.util
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "tensorboardX" else real(name, *a))
+  with pytest.raises(ValueError, match="tensorboardX"):
+    loop.run(tiny(), str(tmp_path / "run"), tensorboard=True)
+  assert not (tmp_path / "run").exists()

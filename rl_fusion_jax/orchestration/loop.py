@@ -9,6 +9,7 @@ Sections:
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
@@ -75,6 +76,8 @@ def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False) -> di
   """Runs (or resumes) the experiment in ``workdir``; returns the summary also written to summary.json."""
   # 1. Validate before anything is compiled or written.
   setup = validate(cfg, jax.device_count())
+  if tensorboard and importlib.util.find_spec("tensorboardX") is None:
+    raise ValueError("--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'")
   os.makedirs(workdir, exist_ok=True)
   write_json_atomic(os.path.join(workdir, "config.json"), config_lib.as_dict(cfg))
   if hasattr(setup.tokenizer, "to_json"):
