@@ -83,7 +83,15 @@ def test_benchmark_binary_prints_one_line_per_schedule_and_ratios():
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-2000:]
   lines = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
-  assert [l.get("schedule") for l in lines[:-1]] == list(workload.SCHEDULES)
-  assert len({l["generated_tokens"] for l in lines[:-1]}) == 1 and lines[0]["devices"] == 1
-  assert set(lines[-1]["ratios_vs_static"]) == set(workload.SCHEDULES)
-  assert lines[-1]["ratios_vs_static"]["static"] == 1.0
+  schedules, (ratios, roofline) = lines[:-2], lines[-2:]
+  assert [l.get("schedule") for l in schedules] == list(workload.SCHEDULES)
+  assert len({l["generated_tokens"] for l in schedules}) == 1 and lines[0]["devices"] == 1
+  assert set(ratios["ratios_vs_static"]) == set(workload.SCHEDULES)
+  assert ratios["ratios_vs_static"]["static"] == 1.0
+  # Weights: 1 layer of the tiny model in float32, counted by hand: embed 64*32 + lm head 32*64,
+  # q/k/v/o 32*4*8 + 2*(32*2*8) + 4*8*32, their biases 4*8 + 2*2*8, MLP 3*32*64, two norms 32 + final 32.
+  weights = 4 * (2 * 64 * 32 + 32 * 32 + 2 * 32 * 16 + 32 * 32 + 32 + 32 + 3 * 32 * 64 + 3 * 32)
+  assert roofline["roofline"]["weight_bytes"] == weights
+  # KV cache: 2 (k, v) x 1 layer x 8 slots x 20 positions x 2 kv heads x 8 head dim x 4 bytes.
+  assert roofline["roofline"]["kv_cache_bytes"] == 2 * 1 * 8 * 20 * 2 * 8 * 4
+  assert roofline["roofline"]["continuous_tokens_per_s"] == schedules[1]["tokens_per_s"]
