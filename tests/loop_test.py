@@ -173,3 +173,20 @@ def test_tensorboard_without_tensorboardx_fails_before_writing(tmp_path, monkeyp
   with pytest.raises(ValueError, match="tensorboardX"):
     loop.run(tiny(), str(tmp_path / "run"), tensorboard=True)
   assert not (tmp_path / "run").exists()
+
+
+def test_prompt_length_is_checked_for_every_problem_not_a_sample(tmp_path):
+  """Countdown index 0..31 fit in 16 tokens, later ones ("10 10 10 -> 110:") do not: refused at start."""
+  from rl_fusion_jax.rewards.registry import make_task
+  from rl_fusion_jax.tokenizer import CharTokenizer
+  task, tok = make_task("countdown", seed=0, max_number=10), CharTokenizer()
+  assert max(1 + len(tok.encode(task.problem(i).prompt)) for i in range(32)) <= 16
+  over = {"task.name": "countdown", "task.kwargs": {"max_number": 10}, "rollout.max_prompt_len": 16,
+          "rollout.max_new_tokens": 12}
+  with pytest.raises(ValueError, match="config.rollout.max_prompt_len=16: task 'countdown' has prompts of "
+                                       "up to 18 tokens"):
+    loop.run(tiny(**over), str(tmp_path / "run"))
+  over["rollout.max_prompt_len"] = 18
+  with pytest.raises(ValueError, match="config.rollout.max_new_tokens=12: warm-up rows"):
+    loop.run(tiny(**over), str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()

@@ -372,3 +372,32 @@ def test_score_batch_by_hand():
   np.testing.assert_array_equal(correct_b, [True, False, False])
   with pytest.raises(ValueError, match="3 problems but 2 completions"):
     score_batch(ArithmeticTask(), problems, ["1", "2"])
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 1000),
+    num_numbers=st.integers(2, 4),
+    max_number=st.sampled_from([3, 9, 10, 25, 100]),
+)
+def test_countdown_max_lengths_bound_every_problem(seed, num_numbers, max_number):
+  task = CountdownTask(seed=seed, num_numbers=num_numbers, max_number=max_number)
+  prompt_bound, target_bound = task.max_lengths()
+  problems = [task.problem(i) for i in range(300)]
+  assert max(len(p.prompt) for p in problems) <= prompt_bound
+  assert max(len(p.target) for p in problems) <= target_bound
+  # The value bound behind it: targets never exceed (max_number + 1) ** num_numbers - 1.
+  assert max(int(p.answer) for p in problems) <= (max_number + 1) ** num_numbers - 1
+
+
+@pytest.mark.parametrize("max_digits,ops,expected", [
+    (1, "+", (4, 2)),      # "9+9=" -> "18"
+    (2, "+-", (6, 3)),     # "99-99=" ; "-99" or "198"
+    (3, "*", (8, 6)),      # "999*999=" -> "998001"
+])
+def test_arithmetic_max_lengths_by_hand(max_digits, ops, expected):
+  task = ArithmeticTask(seed=0, min_digits=1, max_digits=max_digits, ops=ops)
+  assert task.max_lengths() == expected
+  problems = [task.problem(i) for i in range(3000)]
+  assert max(len(p.prompt) for p in problems) <= expected[0]
+  assert max(len(p.target) for p in problems) <= expected[1]

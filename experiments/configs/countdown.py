@@ -26,6 +26,6 @@ def get_config(arg: str = ""):
   c = _sibling("arithmetic").get_config(arg)
   c.task.name = "countdown"
   c.task.kwargs = dict(num_numbers=3, max_number=10)
-  c.rollout.max_prompt_len = 16
-  c.rollout.max_new_tokens = 12
+  c.rollout.max_prompt_len = 18     # BOS + up to "10 10 10 -> 1330:" (CountdownTask.max_lengths)
+  c.rollout.max_new_tokens = 18     # a solution of up to 16 characters + EOS
   return c

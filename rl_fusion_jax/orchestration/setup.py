@@ -17,7 +17,7 @@ from rl_fusion_jax.fusion.deployment import check_rules
 from rl_fusion_jax.models import reward_model
 from rl_fusion_jax.orchestration import data
 from rl_fusion_jax.rewards.registry import make_task
-from rl_fusion_jax.tokenizer import load_tokenizer
+from rl_fusion_jax.tokenizer import CharTokenizer, load_tokenizer
 
 
 @dataclasses.dataclass
@@ -61,6 +61,33 @@ def _make_tasks(cfg: ExperimentConfig):
     raise ValueError(f"config.task: {e}") from e
 
 
+def _check_lengths(cfg: ExperimentConfig, tokenizer, tasks) -> None:
+  """Every prompt (and warm-up target) of the run fits, checked before any compile.
+
+  Exact in the cases that matter here: a task with a finite problem set (GSM8K) has every problem
+  encoded; a procedural task states character bounds (``max_lengths``), exact for the character
+  tokenizer. Otherwise a sample of 256 problems per stream is encoded.
+  """
+  r, bos = cfg.rollout, int(tokenizer.bos_id is not None)
+  for task in tasks:
+    bounds = getattr(task, "max_lengths", None)
+    if bounds is not None and isinstance(tokenizer, CharTokenizer):
+      prompt, target = bounds()
+      if bos + prompt > r.max_prompt_len:
+        raise ValueError(f"config.rollout.max_prompt_len={r.max_prompt_len}: task {cfg.task.name!r} has "
+                         f"prompts of up to {bos + prompt} tokens")
+      if task is tasks[1] and cfg.warmup.steps and bos + prompt + target + 1 > r.seq_len:
+        raise ValueError(f"config.rollout.max_new_tokens={r.max_new_tokens}: warm-up rows of task "
+                         f"{cfg.task.name!r} need up to {bos + prompt + target + 1} tokens > max_prompt_len + "
+                         f"max_new_tokens = {r.seq_len}")
+      continue
+    count = len(task) if hasattr(task, "__len__") else 256
+    problems = [task.problem(i) for i in range(count)]
+    data.encode_prompts(tokenizer, problems, r.max_prompt_len)
+    if task is tasks[1] and cfg.warmup.steps:
+      data.encode_sft(tokenizer, problems, r.seq_len)
+
+
 def validate(cfg: ExperimentConfig, num_devices: int) -> Setup:
   """Every check that needs no compile: devices, rules, tokenizer, tasks, prompt lengths, checkpoints."""
   cfg.check_devices(num_devices)
@@ -70,12 +97,7 @@ def validate(cfg: ExperimentConfig, num_devices: int) -> Setup:
   except ValueError as e:
     raise ValueError(f"config.task.tokenizer / config.model.vocab_size: {e}") from e
   tasks = _make_tasks(cfg)
-  # A sample of each stream is encoded now, so a prompt that does not fit fails before any compile.
-  for task in tasks:
-    problems = [task.problem(i) for i in range(32)]
-    data.encode_prompts(tokenizer, problems, cfg.rollout.max_prompt_len)
-    if task is tasks[1] and cfg.warmup.steps:
-      data.encode_sft(tokenizer, problems, cfg.rollout.seq_len)
+  _check_lengths(cfg, tokenizer, tasks)
   hf_params, rm = _read_checkpoints(cfg)
   return Setup(cfg, tokenizer, *tasks, hf_params=hf_params, reward_model=rm)
 

@@ -62,6 +62,15 @@ class ArithmeticTask:
         prompt=f"{a}{op}{b}=", answer=str(value), target=str(value), meta={"a": a, "b": b, "op": op}
     )
 
+  def max_lengths(self) -> tuple[int, int]:
+    """Upper bounds on (prompt, target) length in characters over every index: `a op b=` and the value.
+
+    Operands have at most max_digits digits; a sum has one digit more, a difference a sign more, a
+    product twice the digits.
+    """
+    d = self.max_digits
+    return 2 * d + 2, max({"+": d + 1, "-": d + 1, "*": 2 * d}[op] for op in self.ops)
+
   def score(self, problem: base.Problem, completion: str) -> base.Score:
     text = completion.strip()
     format_ok = _INTEGER.fullmatch(text) is not None

@@ -64,6 +64,18 @@ class CountdownTask:
     self.num_numbers, self.min_number, self.max_number = num_numbers, min_number, max_number
     self.format_reward, self.correct_reward = float(format_reward), float(correct_reward)
 
+  def max_lengths(self) -> tuple[int, int]:
+    """Upper bounds on (prompt, target) length in characters over every index.
+
+    Over positive integers each of + - * / gives at most (a + 1)(b + 1) - 1, so a target is at most
+    (max_number + 1) ** num_numbers - 1. A solution has num_numbers literals, one operator fewer, and at
+    most two pairs of parentheses per operator.
+    """
+    n, digits = self.num_numbers, len(str(self.max_number))
+    target_digits = len(str((self.max_number + 1) ** n - 1))
+    prompt = n * digits + (n - 1) + len(" -> ") + target_digits + len(":")
+    return prompt, n * digits + (n - 1) * 5
+
   def problem(self, index: int) -> base.Problem:
     rng = np.random.default_rng([self.seed, base.check_index("CountdownTask", index)])
     numbers = [int(n) for n in rng.integers(self.min_number, self.max_number + 1, self.num_numbers)]
