@@ -116,7 +116,7 @@ def read_config(path: str) -> ModelConfig:
     raise ValueError(f"{config_path}: {e}") from None
 
 
-def _weight_files(path: str) -> list[str]:
+def weight_files(path: str) -> list[str]:
   index_path = os.path.join(path, "model.safetensors.index.json")
   if os.path.isfile(index_path):
     try:
@@ -135,7 +135,7 @@ def _weight_files(path: str) -> list[str]:
   return files
 
 
-def _tensor_locations(files: list[str]) -> dict[str, str]:
+def tensor_locations(files: list[str]) -> dict[str, str]:
   """HF name -> file holding it; a name stored twice is an error."""
   where = {}
   for file in files:
@@ -151,7 +151,7 @@ def _tensor_locations(files: list[str]) -> dict[str, str]:
   return where
 
 
-def _read_tensor(file: str, name: str) -> np.ndarray:
+def read_tensor(file: str, name: str) -> np.ndarray:
   with safe_open(file, framework="numpy") as f:
     return f.get_tensor(name)
 
@@ -161,8 +161,8 @@ def _check_leftovers(cfg: ModelConfig, where: dict[str, str], used: set[str]) ->
   extra = sorted(n for n in where.keys() - used if not n.endswith(IGNORED_SUFFIXES))
   if cfg.tie_word_embeddings and "lm_head.weight" in extra and "model.embed_tokens.weight" in where:
     # Some exporters keep a tied head; accept it only when it really is the embedding.
-    head = _read_tensor(where["lm_head.weight"], "lm_head.weight")
-    embed = _read_tensor(where["model.embed_tokens.weight"], "model.embed_tokens.weight")
+    head = read_tensor(where["lm_head.weight"], "lm_head.weight")
+    embed = read_tensor(where["model.embed_tokens.weight"], "model.embed_tokens.weight")
     if head.shape == embed.shape and np.array_equal(head.astype(np.float32), embed.astype(np.float32)):
       extra.remove("lm_head.weight")
   if extra:
@@ -177,7 +177,7 @@ def load_hf(path: str | os.PathLike) -> tuple[ModelConfig, Params]:
   """
   path = os.fspath(path)
   cfg = read_config(path)
-  where = _tensor_locations(_weight_files(path))
+  where = tensor_locations(weight_files(path))
   names = name_map(cfg)
   _check_leftovers(cfg, where, {hf_name for hf_name, _ in names.values()})
   shapes = dict(flatten(abstract_params(cfg)))
@@ -185,7 +185,7 @@ def load_hf(path: str | os.PathLike) -> tuple[ModelConfig, Params]:
   for ours, (hf_name, layout) in names.items():
     if hf_name not in where:
       raise ValueError(f"{path}: missing tensor '{hf_name}' (for {path_str(ours)})")
-    x = _read_tensor(where[hf_name], hf_name)
+    x = read_tensor(where[hf_name], hf_name)
     want = hf_shape(layout, shapes[ours].shape)
     if x.shape != want:
       raise ValueError(f"{where[hf_name]}: tensor '{hf_name}' has shape {x.shape}, expected {want} "
@@ -219,13 +219,13 @@ def save_hf(cfg: ModelConfig, params: Params, path: str | os.PathLike, *, dtype:
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
       json.dump(hf_config, f, indent=2, sort_keys=True)
-    _replace_dir(tmp, path)
+    replace_dir(tmp, path)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
 
 
-def _replace_dir(src: str, dst: str) -> None:
+def replace_dir(src: str, dst: str) -> None:
   """Renames `src` to `dst`; an existing `dst` is moved aside first and deleted after the swap."""
   if not os.path.exists(dst):
     os.rename(src, dst)

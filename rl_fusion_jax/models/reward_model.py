@@ -171,7 +171,7 @@ def save_reward_model(cfg: ModelConfig, params: RewardParams, path: str | os.Pat
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
       json.dump(config, f, indent=2, sort_keys=True)
-    hf_io._replace_dir(tmp, path)  # pylint: disable=protected-access
+    hf_io.replace_dir(tmp, path)  # pylint: disable=protected-access
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
@@ -212,7 +212,7 @@ def load_reward_model(path: str | os.PathLike) -> tuple[ModelConfig, RewardParam
     raise FileNotFoundError(f"{path}: checkpoint folder does not exist")
   cfg = read_reward_config(path)
   # pylint: disable=protected-access
-  where = hf_io._tensor_locations(hf_io._weight_files(path))
+  where = hf_io.tensor_locations(hf_io.weight_files(path))
   expected = _expected_tensors(cfg)
   extra = sorted(n for n in where.keys() - expected.keys() if not n.endswith(hf_io.IGNORED_SUFFIXES))
   if extra:
@@ -221,7 +221,7 @@ def load_reward_model(path: str | os.PathLike) -> tuple[ModelConfig, RewardParam
   for hf_name, (ours, layout, shape) in expected.items():
     if hf_name not in where:
       raise ValueError(f"{path}: missing tensor '{hf_name}'")
-    x = hf_io._read_tensor(where[hf_name], hf_name)
+    x = hf_io.read_tensor(where[hf_name], hf_name)
     want = hf_io.hf_shape(layout, shape)
     if x.shape != want:
       raise ValueError(f"{where[hf_name]}: tensor '{hf_name}' has shape {x.shape}, expected {want} "
