@@ -234,9 +234,9 @@ class RunConfig:
 
   def __post_init__(self):
     _require(self.steps >= 0, "run.steps", f"must be >= 0, got {self.steps}")
-    _require(self.checkpoint_every >= 0, "run.checkpoint_every", f"must be >= 0")
-    _require(self.keep_checkpoints >= 1, "run.keep_checkpoints", f"must be >= 1")
-    _require(self.eval_every >= 0, "run.eval_every", f"must be >= 0")
+    _require(self.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0")
+    _require(self.keep_checkpoints >= 1, "run.keep_checkpoints", "must be >= 1")
+    _require(self.eval_every >= 0, "run.eval_every", "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import time
 from collections.abc import Iterable, Sequence
 
