@@ -182,3 +182,16 @@ def test_bad_input_fails_with_named_field():
     engine.run(setup()[2], 0, target_samples=1, target_groups=1)
   with pytest.raises(ValueError, match="target_samples"):
     engine.run(setup()[2], 0, target_samples=0)
+
+
+def test_bookkeeping_is_bounded_by_live_samples():
+  """Over many runs the id and group tables hold only samples not yet returned."""
+  engine = make_engine(SAMPLED, EOS, group_size=2)
+  params = setup()[2]
+  for round_ in range(3):
+    engine.add([Request(100 * round_ + i, 50 * round_ + i // 2, [3, 4]) for i in range(8)])
+    with pytest.raises(ValueError, match="sample_id"):      # a live id is still refused
+      engine.add([Request(100 * round_, 99, [3])])
+    out = engine.run(params, round_)
+    assert len(out.group_id_b) == 8
+    assert not engine._ids and not engine._group_added and not engine._group_returned

@@ -146,14 +146,19 @@ class Engine:
     self._occupant: list[Request | None] = [None] * cfg.num_slots
     self._queue: collections.deque[Request] = collections.deque()
     self._finished: list[_Finished] = []
-    self._ids: set[int] = set()
+    self._ids: set[int] = set()                  # live samples: queued, in flight, or not yet returned
     self._group_added: collections.Counter = collections.Counter()
+    self._group_returned: collections.Counter = collections.Counter()
     self._chunks = 0
 
   # -- queue -----------------------------------------------------------------------------------------
 
   def add(self, requests: Iterable[Request]) -> None:
-    """Queues requests; all are checked first, so a bad one leaves the queue unchanged."""
+    """Queues requests; all are checked first, so a bad one leaves the queue unchanged.
+
+    Sample ids must be unique among the live samples (queued, in flight, or finished but not yet
+    returned); a group may not receive more than ``group_size`` samples before it has been returned.
+    """
     requests = list(requests)
     spec, ids, groups = self.cfg.spec, set(), collections.Counter()
     for i, r in enumerate(requests):
@@ -266,8 +271,20 @@ class Engine:
       taken = sorted((f for f in self._finished if f.group_id in rank),
                      key=lambda f: (rank[f.group_id], f.row["sample_id_s"]))
       self._finished = [f for f in self._finished if f.group_id not in rank]
+    self._forget(taken)
     return _stack([f.row for f in taken], self.cfg.spec.seq_len), np.asarray(
         [f.group_id for f in taken], np.int32)
+
+  def _forget(self, taken) -> None:
+    """Drops the bookkeeping of returned samples, so it stays bounded by the live ones over a long run.
+
+    A group's count goes once all ``group_size`` of its samples were returned.
+    """
+    for f in taken:
+      self._ids.discard(int(f.row["sample_id_s"]))
+      self._group_returned[f.group_id] += 1
+      if self._group_returned[f.group_id] == self.cfg.group_size:
+        del self._group_returned[f.group_id], self._group_added[f.group_id]
 
   # -- slots: the host side of slots.py's programs -------------------------------------------------
 
