@@ -9,21 +9,15 @@ The same 4-layer Qwen2-style char-level model as arithmetic.py; prompts like ``9
 Expected runtime: a few minutes on 2 cores. Expected result: the final line prints greedy accuracy on
 512 held-out problems before and after RL (README lists no figure for this config yet).
 """
-import importlib.util
 import os
+import runpy
 
-
-def _sibling(name: str):
-  """Loads experiments/configs/<name>.py by path (config files are loaded by path, not as a package)."""
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-  spec = importlib.util.spec_from_file_location(f"rl_fusion_jax_config_{name}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+# Config files are loaded by path, not imported as a package: the base config is run by path too.
+_ARITHMETIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "arithmetic.py")
 
 
 def get_config(arg: str = ""):
-  c = _sibling("arithmetic").get_config(arg)
+  c = runpy.run_path(_ARITHMETIC)["get_config"](arg)
   c.task.name = "countdown"
   c.task.kwargs = dict(num_numbers=3, max_number=10)
   c.rollout.max_prompt_len = 18     # BOS + up to "10 10 10 -> 1330:" (CountdownTask.max_lengths)

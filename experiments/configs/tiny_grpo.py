@@ -9,23 +9,17 @@ samples, prompts padded to 16 tokens, 32 new tokens, temperature 1, one Adam upd
 Hardware: 2 CPU cores. Expected result: see BENCHMARKS.md. Variant ``:kl`` adds a reference model
 (k3 KL in the loss), which costs one more forward pass per step.
 """
-import importlib.util
 import os
+import runpy
 
-
-def _sibling(name: str):
-  """Loads experiments/configs/<name>.py by path (config files are loaded by path, not as a package)."""
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
-  spec = importlib.util.spec_from_file_location(f"rl_fusion_jax_config_{name}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+# Config files are loaded by path, not imported as a package: the base config is run by path too.
+_ARITHMETIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "arithmetic.py")
 
 
 def get_config(arg: str = ""):
-  arithmetic = _sibling("arithmetic")
-  c = arithmetic.get_config()
-  c.model = arithmetic.model(vocab_size=512, hidden=256, layers=4, heads=4, kv_heads=2, mlp=688)
+  arithmetic = runpy.run_path(_ARITHMETIC)
+  c = arithmetic["get_config"]()
+  c.model = arithmetic["model"](vocab_size=512, hidden=256, layers=4, heads=4, kv_heads=2, mlp=688)
   c.model.tie_word_embeddings = False
   c.model.max_position_embeddings = 64
   c.task.kwargs = dict(min_digits=1, max_digits=3, ops="+-")
