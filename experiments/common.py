@@ -1,13 +1,66 @@
-"""Start-up shared by the experiment binaries: CPU device count, compilation cache, typed config.
+"""Start-up shared by the experiment binaries: flag parsing, CPU device count, compilation cache.
 
 ``setup_jax`` must run before anything touches a JAX backend: XLA reads its flags once.
+``parse_flags`` turns a mistyped ``--config.a.b=...`` override into one line naming the full dotted path
+and the closest valid key, instead of ml_collections' traceback.
 """
 from __future__ import annotations
 
+import difflib
 import logging as std_logging
 import os
+import runpy
+import sys
 
+from absl import flags as absl_flags
 from absl import logging
+
+
+def _config_file(argv) -> tuple[str, str] | None:
+  for arg in argv[1:]:
+    if arg.startswith("--config="):
+      path, _, variant = arg[len("--config="):].partition(":")
+      return path, variant
+  return None
+
+
+def unknown_override(argv) -> str | None:
+  """A message naming the first ``--config.X`` override whose path the config file does not have."""
+  source = _config_file(argv)
+  if source is None:
+    return None
+  try:
+    config = runpy.run_path(source[0])["get_config"](source[1])
+  except Exception:   # the config file itself is broken: absl's own error is the useful one
+    return None
+  for arg in argv[1:]:
+    if not arg.startswith("--config."):
+      continue
+    path = arg[len("--"):].partition("=")[0]
+    node, walked = config, "config"
+    for key in path.split(".")[1:]:
+      keys = list(node.keys()) if hasattr(node, "keys") else []
+      if key not in keys:
+        match = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+        hint = f"; did you mean --{walked}.{match[0]}?" if match else f"; known in {walked}: {sorted(keys)}"
+        return f"--{path}: {walked} has no field {key!r}{hint}"
+      node, walked = node[key], f"{walked}.{key}"
+  return None
+
+
+def parse_flags(argv):
+  """absl flag parsing where a config override typo exits with one line (status 2), not a traceback."""
+  try:
+    return absl_flags.FLAGS(argv)
+  except absl_flags.Error as e:
+    sys.stderr.write(f"FATAL Flags parsing error: {e}\nPass --helpshort or --helpfull to see help on flags.\n")
+    sys.exit(1)
+  except (AttributeError, KeyError, TypeError, ValueError) as e:
+    message = unknown_override(argv)
+    if message is None:
+      raise
+    sys.stderr.write(f"error: {message}\n")
+    sys.exit(2)
 
 
 class _DropLibraryInfo(std_logging.Filter):

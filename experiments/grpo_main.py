@@ -2,10 +2,13 @@ r"""GRPO on one co-located mesh.
 
   python experiments/grpo_main.py --config=experiments/configs/arithmetic.py --workdir=/tmp/grpo
 
-Overrides: ``--config.rollout.temperature=0.7``; the config is locked, so a typo fails at start.
-Writes DIR/config.json, DIR/metrics.jsonl, DIR/checkpoints/ and DIR/summary.json, and resumes from the
-latest checkpoint in DIR.
+Overrides: ``--config.rollout.temperature=0.7``; the config is locked, so a typo fails at start naming
+the full path and the closest key. Writes DIR/config.json, DIR/metrics.jsonl, DIR/checkpoints/ and
+DIR/summary.json, and resumes from the newest intact checkpoint in DIR (README: "Failures and resume").
+Errors a user can act on (bad config, refused resume, divergence) print one line and exit with status 1.
 """
+import sys
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -16,20 +19,29 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (created; resumed
 _CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/rl_fusion_jax/jax_cache",
                              "Persistent XLA compilation cache ('' disables).")
 _TENSORBOARD = flags.DEFINE_bool("tensorboard", False, "Also write TensorBoard logs (needs tensorboardX).")
+_RESUME_OVERRIDE = flags.DEFINE_list(
+    "resume_override", [], "Config fields (e.g. rollout.num_prompts) a resumed run may change although "
+    "they change the meaning of the run; each is logged and recorded in DIR/resume_log.jsonl.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
   del argv
   from rl_fusion_jax import config as config_lib  # after flags parse; imports jax
-  cfg = config_lib.experiment_from_dict(_CONFIG.value)
-  common.setup_jax(cfg.mesh.cpu_devices, _CACHE.value)
-  from rl_fusion_jax.orchestration import loop
-  logging.info("config:\n%s", _CONFIG.value)
-  summary = loop.run(cfg, _WORKDIR.value, tensorboard=_TENSORBOARD.value)
+  from rl_fusion_jax.errors import RunError
+  try:
+    cfg = config_lib.experiment_from_dict(_CONFIG.value)
+    common.setup_jax(cfg.mesh.cpu_devices, _CACHE.value)
+    from rl_fusion_jax.orchestration import loop
+    logging.info("config:\n%s", _CONFIG.value)
+    summary = loop.run(cfg, _WORKDIR.value, tensorboard=_TENSORBOARD.value,
+                       resume_overrides=_RESUME_OVERRIDE.value)
+  except RunError as e:
+    sys.stderr.write(f"error: {e}\n")
+    sys.exit(1)
   print(f"accuracy before RL: {summary['accuracy_before']:.3f}  "
         f"after RL: {summary['accuracy_after']:.3f}  ({summary['steps']} GRPO steps)")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=common.parse_flags)

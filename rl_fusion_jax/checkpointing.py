@@ -1,72 +1,214 @@
-"""Orbax checkpoints of a run: params, optimizer state, reference params and loop metadata.
+"""Orbax checkpoints of a run: named pytrees (params, optimizer state, ...) plus a JSON ``meta`` record.
 
-Params and optimizer state are separate items so generation (or evaluation) can restore params alone.
-Saves are asynchronous; orbax writes each step into a temporary folder and renames it when complete, so
-a crash never leaves a half-written checkpoint that resume would pick up. Restores take abstract targets
-carrying shardings, so a run can resume onto another mesh or device count.
+Guarantees, and how they are kept:
+  * Atomic: orbax writes each step into a temporary folder and renames it when complete, so a crash never
+    leaves a half-written checkpoint that resume would pick up (left-over temporary folders are removed).
+  * Never non-finite: ``save`` computes a fingerprint of every saved tree on device (one small program)
+    and refuses to write when a floating-point value is NaN or infinite.
+  * Verified: the fingerprints (a position-weighted sum of each leaf's bit patterns modulo 2**32, so
+    any single flipped bit changes it) are stored in ``meta`` and checked after a restore, so a corrupt
+    file is a ``CheckpointError`` naming the step folder, never silently wrong weights.
+  * Shapes first: before reading arrays, ``restore`` compares the stored tree metadata with the target
+    and names the first leaf whose shape or dtype differs (not orbax's "set strict=False" advice).
+
+Params and optimizer state are separate items, so generation or evaluation can restore params alone.
+Restores take abstract targets carrying shardings, so a run can resume onto another mesh. This module
+never decides which step to resume from; ``orchestration/resume.py`` does.
 """
 from __future__ import annotations
 
 import os
+import shutil
+import time
+from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
-from rl_fusion_jax.train.state import TrainState
+from rl_fusion_jax.errors import CheckpointError
 
 
-def _abstract(tree, shardings):
+def abstract_like(tree, shardings):
+  """ShapeDtypeStructs of ``tree`` (arrays or abstract values) carrying ``shardings``."""
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+# ----------------------------------------------------------------------------------------------------
+# Fingerprints: computed on device, identical for any sharding (integer sums are order-independent).
+# ----------------------------------------------------------------------------------------------------
+
+def _leaf_fingerprint(x: jax.Array) -> jax.Array:
+  """uint32: sum_i bits_i * (2i + 1) mod 2**32 over the flattened leaf (odd weights: a bit flip shows)."""
+  if x.dtype == jnp.bool_:
+    bits = x.astype(jnp.uint32)
+  else:
+    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}.get(x.dtype.itemsize)
+    if width is None:
+      raise ValueError(f"no fingerprint for dtype {x.dtype} (itemsize {x.dtype.itemsize})")
+    bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
+  index = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape)
+  return jnp.sum(bits * (index * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)
+
+
+@jax.jit
+def _fingerprints(tree):
+  prints = [_leaf_fingerprint(x) for x in jax.tree.leaves(tree)]
+  finite = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return prints, jnp.all(jnp.stack(finite)) if finite else jnp.bool_(True)
+
+
+def _paths(tree) -> list[str]:
+  return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def fingerprint(tree) -> tuple[dict[str, int], bool]:
+  """({leaf path: fingerprint}, all floating-point values finite) of a tree of jax arrays."""
+  prints, finite = jax.device_get(_fingerprints(tree))
+  return dict(zip(_paths(tree), (int(p) for p in prints))), bool(finite)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The checkpointer.
+# ----------------------------------------------------------------------------------------------------
+
+def _plain_key(key) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _by_plain_path(tree) -> dict[str, Any]:
+  """Leaves by '/'-joined path; namedtuple fields and dict keys read alike (orbax stores both as dicts)."""
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
+  return {"/" + "/".join(_plain_key(k) for k in path): leaf for path, leaf in flat if leaf is not None}
+
+
+def _describe_mismatch(name: str, stored, target) -> str | None:
+  """The first leaf whose structure, shape or dtype differs between stored metadata and target."""
+  stored_leaves, target_leaves = _by_plain_path(stored), _by_plain_path(target)
+  for path in sorted(set(stored_leaves) | set(target_leaves)):
+    if path not in stored_leaves:
+      return f"{name}{path} is missing from the checkpoint"
+    if path not in target_leaves:
+      return f"{name}{path} is in the checkpoint but not in this config's model"
+    s, t = stored_leaves[path], target_leaves[path]
+    if tuple(s.shape) != tuple(t.shape) or np.dtype(s.dtype) != np.dtype(t.dtype):
+      return (f"{name}{path} has shape {tuple(s.shape)} {np.dtype(s.dtype)} in the checkpoint, "
+              f"{tuple(t.shape)} {np.dtype(t.dtype)} in this config")
+  return None
+
+
 class Checkpointer:
-  """Thin wrapper over ``ocp.CheckpointManager`` rooted at ``<workdir>/checkpoints``."""
+  """Numbered checkpoints under ``directory``, the newest ``keep`` kept.
 
-  def __init__(self, workdir: str, keep: int = 2):
-    self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-    self._mngr = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+  ``create=False`` opens an existing folder for reading without creating anything (resume inspection).
+  """
 
-  def latest_step(self) -> int | None:
-    return self._mngr.latest_step()
+  def __init__(self, directory: str, keep: int = 2, *, create: bool = True):
+    self.directory, self.keep = os.path.abspath(directory), keep
+    self._create = create
+    self._mngr = None
 
-  def save(self, step: int, state: TrainState, meta: dict[str, Any], ref_params=None) -> None:
-    items = {
-        "params": ocp.args.StandardSave(state.params),
-        "opt_state": ocp.args.StandardSave(state.opt_state),
-        "counters": ocp.args.StandardSave({"step": state.step, "policy_version": state.policy_version}),
-        "meta": ocp.args.JsonSave(meta),
-    }
-    if ref_params is not None:
-      items["ref_params"] = ocp.args.StandardSave(ref_params)
-    self._mngr.save(step, args=ocp.args.Composite(**items))
+  @property
+  def _manager(self) -> ocp.CheckpointManager:
+    if self._mngr is None:
+      options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=self._create,
+                                             cleanup_tmp_directories=self._create)
+      self._mngr = ocp.CheckpointManager(self.directory, options=options)
+    return self._mngr
 
-  def restore(self, step: int, like: TrainState, shardings: TrainState, ref_like=None):
-    """Returns (state, meta, ref_params or None) restored into ``shardings``."""
-    items = {
-        "params": ocp.args.StandardRestore(_abstract(like.params, shardings.params)),
-        "opt_state": ocp.args.StandardRestore(_abstract(like.opt_state, shardings.opt_state)),
-        "counters": ocp.args.StandardRestore(_abstract(
-            {"step": like.step, "policy_version": like.policy_version},
-            {"step": shardings.step, "policy_version": shardings.policy_version})),
-        "meta": ocp.args.JsonRestore(),
-    }
-    if ref_like is not None:
-      items["ref_params"] = ocp.args.StandardRestore(_abstract(ref_like, shardings.params))
-    out = self._mngr.restore(step, args=ocp.args.Composite(**items))
-    state = TrainState(step=out["counters"]["step"], params=out["params"], opt_state=out["opt_state"],
-                       policy_version=out["counters"]["policy_version"])
-    return state, dict(out["meta"]), (out["ref_params"] if ref_like is not None else None)
+  def exists(self) -> bool:
+    return os.path.isdir(self.directory)
 
-  def restore_params(self, step: int, like, shardings):
-    out = self._mngr.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(_abstract(like, shardings))))
-    return out["params"]
+  def steps(self) -> list[int]:
+    """Completed steps, oldest first (temporary folders of unfinished saves are not steps)."""
+    if not self.exists():
+      return []
+    self._manager.reload()
+    return sorted(self._manager.all_steps())
+
+  def step_path(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def save(self, step: int, items: Mapping[str, Any], meta: dict[str, Any]) -> None:
+    """Starts an asynchronous save of ``items`` (name -> pytree) and ``meta``; refuses non-finite trees."""
+    checksums = {}
+    for name, tree in items.items():
+      checksums[name], finite = fingerprint(tree)
+      if not finite:
+        raise ValueError(f"refusing to write checkpoint step {step}: {name} holds non-finite values")
+    args = {name: ocp.args.StandardSave(tree) for name, tree in items.items()}
+    args["meta"] = ocp.args.JsonSave({**meta, "checksums": checksums})
+    self._manager.save(step, args=ocp.args.Composite(**args))
+
+  def read_meta(self, step: int) -> dict[str, Any]:
+    """The JSON record of ``step`` (reads no arrays); CheckpointError when it is missing or corrupt."""
+    try:
+      out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+      meta = dict(out["meta"])
+    except Exception as e:  # orbax / tensorstore / json raise many types for one broken file
+      raise CheckpointError(self.step_path(step), f"meta record unreadable ({type(e).__name__}: {e})") from e
+    if not isinstance(meta.get("checksums"), Mapping):
+      raise CheckpointError(self.step_path(step), "meta record has no checksums")
+    return meta
+
+  def restore(self, step: int, targets: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(items, meta) for ``targets`` (name -> abstract tree with shardings), shape- and checksum-checked."""
+    path = self.step_path(step)
+    meta = self.read_meta(step)
+    for name, target in targets.items():
+      if name not in meta["checksums"]:
+        raise CheckpointError(path, f"not saved: item {name!r}, which this config needs")
+      try:
+        tree = ocp.StandardCheckpointHandler().metadata(epath.Path(path) / name).tree
+      except Exception as e:
+        raise CheckpointError(path, f"item {name!r} unreadable ({type(e).__name__}: {e})") from e
+      mismatch = _describe_mismatch(name, tree, target)
+      if mismatch:
+        raise CheckpointError(path, mismatch)
+    try:
+      out = self._manager.restore(step, args=ocp.args.Composite(
+          **{name: ocp.args.StandardRestore(t) for name, t in targets.items()}))
+    except Exception as e:
+      raise CheckpointError(path, f"arrays unreadable ({type(e).__name__}: {e})") from e
+    items = {name: out[name] for name in targets}
+    for name, tree in items.items():
+      got, _ = fingerprint(tree)
+      want = meta["checksums"].get(name)
+      if got != want:
+        bad = sorted(k for k in got if (want or {}).get(k) != got[k])
+        raise CheckpointError(path, f"checksum mismatch in {name} ({', '.join(bad[:3]) or 'structure'})")
+    return items, meta
+
+  def move_aside(self, step: int, reason: str) -> str:
+    """Moves a broken step folder to ``<directory>_corrupt/`` (never deletes it); returns the new path."""
+    dest_dir = self.directory + "_corrupt"
+    os.makedirs(dest_dir, exist_ok=True)
+    dest = os.path.join(dest_dir, f"{step}.{int(time.time())}")
+    shutil.move(self.step_path(step), dest)
+    with open(dest + ".reason.txt", "w", encoding="utf-8") as f:
+      f.write(reason + "\n")
+    self._manager.reload()
+    return dest
+
+  def prune(self) -> list[int]:
+    """Deletes the oldest steps beyond ``keep`` (after a crash between a save and its clean-up)."""
+    extra = self.steps()[:-self.keep]
+    for step in extra:
+      self._manager.delete(step)
+    return extra
 
   def wait(self) -> None:
-    self._mngr.wait_until_finished()
+    if self._mngr is not None:
+      self._mngr.wait_until_finished()
 
   def close(self) -> None:
-    self._mngr.wait_until_finished()
-    self._mngr.close()
+    if self._mngr is not None:
+      self._mngr.wait_until_finished()
+      self._mngr.close()
+      self._mngr = None

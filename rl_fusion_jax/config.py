@@ -7,16 +7,25 @@ full path (``config.rollout.temprature``) before anything is compiled or written
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 import typing
 from collections.abc import Mapping
 from typing import Any
 
+from rl_fusion_jax.errors import ConfigError
 from rl_fusion_jax.models import ModelConfig
 
 
 def _require(cond: bool, field: str, msg: str) -> None:
   if not cond:
-    raise ValueError(f"config.{field}: {msg}")
+    raise ConfigError(f"config.{field}: {msg}")
+
+
+def closest(name: str, known) -> str:
+  """' (did you mean X?)' for the closest of ``known`` to a mistyped ``name``, or ''."""
+  match = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+  return f" (did you mean {match[0]!r}?)" if match else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,14 +54,14 @@ class MeshConfig:
     for size in sizes.values():
       fixed *= size if size > 0 else 1
     if num_devices % fixed:
-      raise ValueError(f"config.mesh: axis sizes {sizes} (product {fixed}) do not divide the "
+      raise ConfigError(f"config.mesh: axis sizes {sizes} (product {fixed}) do not divide the "
                        f"{num_devices} devices")
     for name, size in sizes.items():
       if size == -1:
         sizes[name] = num_devices // fixed
     product = sizes["data"] * sizes["fsdp"] * sizes["tensor"]
     if product != num_devices:
-      raise ValueError(f"config.mesh: axis sizes {sizes} use {product} devices but {num_devices} "
+      raise ConfigError(f"config.mesh: axis sizes {sizes} use {product} devices but {num_devices} "
                        "are present; set one axis to -1 or make the product match")
     return sizes
 
@@ -90,7 +99,7 @@ class FusionConfig:
     """(rollout devices, training devices) in separated mode; raises if a side would be empty."""
     rollout = int(round(num_devices * self.rollout_fraction))
     if not 0 < rollout < num_devices:
-      raise ValueError(f"config.fusion.rollout_fraction={self.rollout_fraction} leaves a side empty "
+      raise ConfigError(f"config.fusion.rollout_fraction={self.rollout_fraction} leaves a side empty "
                        f"with {num_devices} devices ({rollout} rollout, {num_devices - rollout} train)")
     return rollout, num_devices - rollout
 
@@ -118,6 +127,13 @@ class TaskConfig:
   # is added to the verifier's reward. Accuracy metrics always come from the verifier.
   reward_model: str = ""
   reward_model_weight: float = 1.0
+
+  def __post_init__(self):
+    _require(isinstance(self.name, str) and bool(self.name), "task.name",
+             f"must be a task name, got {self.name!r}")
+    _require(self.eval_problems >= 1, "task.eval_problems", f"must be >= 1, got {self.eval_problems}")
+    _require(math.isfinite(self.reward_model_weight), "task.reward_model_weight",
+             f"must be finite, got {self.reward_model_weight}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,28 +231,46 @@ class WarmupConfig:
   steps: int = 0
   batch_size: int = 64
   learning_rate: float = 1e-3
+  checkpoint_every: int = 0       # warm-up checkpoints (a resume continues the warm-up); 0: none
 
   def __post_init__(self):
     _require(self.steps >= 0, "warmup.steps", f"must be >= 0, got {self.steps}")
+    _require(self.checkpoint_every >= 0, "warmup.checkpoint_every",
+             f"must be >= 0, got {self.checkpoint_every}")
     _require(self.batch_size >= 1, "warmup.batch_size", f"must be >= 1, got {self.batch_size}")
     _require(self.learning_rate > 0, "warmup.learning_rate", f"must be > 0, got {self.learning_rate}")
 
 
+NONFINITE_POLICIES = ("stop", "skip")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-  """Loop length, seeds, logging and checkpoint cadence."""
+  """Loop length, seeds, logging, checkpoint cadence and the divergence guard.
+
+  on_nonfinite: what happens when an update's loss, gradients or new parameters are not finite (the
+  update is never applied): ``stop`` raises naming the step and the quantity; ``skip`` drops the update,
+  counts it in the metrics and stops only after ``max_consecutive_skips`` non-finite updates in a row.
+  """
   steps: int = 100
   seed: int = 0
   checkpoint_every: int = 50      # 0: only at the end
   keep_checkpoints: int = 2
   progress_every_s: float = 5.0
   eval_every: int = 0             # 0: only before and after RL
+  on_nonfinite: str = "stop"
+  max_consecutive_skips: int = 3
 
   def __post_init__(self):
     _require(self.steps >= 0, "run.steps", f"must be >= 0, got {self.steps}")
-    _require(self.checkpoint_every >= 0, "run.checkpoint_every", "must be >= 0")
-    _require(self.keep_checkpoints >= 1, "run.keep_checkpoints", "must be >= 1")
-    _require(self.eval_every >= 0, "run.eval_every", "must be >= 0")
+    _require(self.checkpoint_every >= 0, "run.checkpoint_every", f"must be >= 0, got {self.checkpoint_every}")
+    _require(self.keep_checkpoints >= 1, "run.keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
+    _require(self.eval_every >= 0, "run.eval_every", f"must be >= 0, got {self.eval_every}")
+    _require(self.progress_every_s >= 0, "run.progress_every_s", f"must be >= 0, got {self.progress_every_s}")
+    _require(self.on_nonfinite in NONFINITE_POLICIES, "run.on_nonfinite",
+             f"must be one of {NONFINITE_POLICIES}, got {self.on_nonfinite!r}")
+    _require(self.max_consecutive_skips >= 1, "run.max_consecutive_skips",
+             f"must be >= 1, got {self.max_consecutive_skips}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,7 +303,7 @@ class ExperimentConfig:
       try:
         rollout_sizes = rollout_mesh.resolve(rollout)
       except ValueError as e:
-        raise ValueError(f"config.fusion.rollout_fraction: the rollout sub-mesh of {rollout} devices: {e}")
+        raise ConfigError(f"config.fusion.rollout_fraction: the rollout sub-mesh of {rollout} devices: {e}")
       _require(self.rollout.batch_size % rollout_sizes["data"] == 0, "fusion.rollout_fraction",
                f"the rollout batch of {self.rollout.batch_size} must divide over the rollout sub-mesh's "
                f"{rollout_sizes['data']} data replicas")
@@ -299,8 +333,8 @@ def _from_mapping(cls, values: Mapping[str, Any], path: str):
   fields = {f.name: f for f in dataclasses.fields(cls)}
   unknown = sorted(set(values) - set(fields))
   if unknown:
-    raise ValueError(f"unknown config field(s) {', '.join(f'{path}.{k}' for k in unknown)}; "
-                     f"known in {path}: {sorted(fields)}")
+    named = ", ".join(f"{path}.{k}{closest(k, fields)}" for k in unknown)
+    raise ConfigError(f"unknown config field(s) {named}; known in {path}: {sorted(fields)}")
   kwargs = {}
   for name, value in values.items():
     hint = hints[name]
@@ -312,7 +346,7 @@ def _from_mapping(cls, values: Mapping[str, Any], path: str):
   try:
     return cls(**kwargs)
   except TypeError as e:
-    raise ValueError(f"{path}: {e}") from e
+    raise ConfigError(f"{path}: {e}") from e
 
 
 def to_plain(value: Any) -> Any:
@@ -334,15 +368,15 @@ def _model_from_checkpoint(hf_path: str, given: Mapping[str, Any]) -> ModelConfi
   try:
     ckpt = hf_io.read_config(hf_path)
   except (OSError, ValueError) as e:
-    raise ValueError(f"config.model.hf_path: {e}") from e
+    raise ConfigError(f"config.model.hf_path: {e}") from e
   unknown = sorted(set(given) - {f.name for f in dataclasses.fields(ModelConfig)})
   if unknown:
-    raise ValueError(f"unknown config field(s) {', '.join('config.model.' + k for k in unknown)}")
+    raise ConfigError(f"unknown config field(s) {', '.join('config.model.' + k for k in unknown)}")
   overrides = {"dtype": given["dtype"]} if "dtype" in given else {}
   cfg = dataclasses.replace(ckpt, **overrides)
   for name, value in given.items():
     if name != "dtype" and getattr(cfg, name) != value:
-      raise ValueError(f"config.model.{name}={value!r} disagrees with {hf_path}/config.json "
+      raise ConfigError(f"config.model.{name}={value!r} disagrees with {hf_path}/config.json "
                        f"({getattr(cfg, name)!r}); drop the field or fix it")
   return cfg
 
@@ -362,7 +396,8 @@ def experiment_from_dict(config: Mapping[str, Any]) -> ExperimentConfig:
   for name, sub in values.items():
     field_types = typing.get_type_hints(ExperimentConfig)
     if name not in field_types:
-      raise ValueError(f"unknown config field config.{name}; known: {sorted(field_types)}")
+      raise ConfigError(f"unknown config field config.{name}{closest(name, field_types)}; "
+                        f"known: {sorted(field_types)}")
     if name == "task":
       sub = dict(sub)
       sub["kwargs"] = dict(sub.get("kwargs", {}))

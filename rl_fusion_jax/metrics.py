@@ -65,6 +65,34 @@ def make_writer(workdir: str, tensorboard: bool = False) -> MultiWriter:
   return MultiWriter(writers)
 
 
+def truncate_metrics(workdir: str, last_step: int | None) -> int:
+  """Keeps the rows of steps <= ``last_step`` (None: none) in metrics.jsonl; returns rows dropped.
+
+  A resumed run calls this with its checkpoint's step, so every step appears once. A torn last line
+  (a kill mid-write) is dropped. The file is replaced atomically.
+  """
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return 0
+  kept, dropped = [], 0
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError:
+        dropped += 1
+        continue
+      if last_step is not None and record.get("step", math.inf) <= last_step:
+        kept.append(json.dumps(record, sort_keys=True) + "\n")
+      else:
+        dropped += 1
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.writelines(kept)
+  os.replace(tmp, path)
+  return dropped
+
+
 def read_metrics(workdir: str) -> list[dict]:
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
     return [json.loads(line) for line in f if line.strip()]

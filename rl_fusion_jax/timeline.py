@@ -209,6 +209,39 @@ class Timeline:
       f.flush()
 
 
+# ------------------------------------------------------------------------------------------ truncation
+
+
+def truncate_file(path: str | os.PathLike, until: float | None) -> int:
+  """Keeps what happened by timeline time `until` (None: nothing but the groups); returns lines dropped.
+
+  A resumed run calls this with the clock saved in its checkpoint, so phases recorded after that
+  checkpoint (work the resume redoes) appear once. Group lines are kept; a torn last line (a kill
+  mid-write) is dropped. The file is replaced atomically.
+  """
+  path = os.fspath(path)
+  if not os.path.exists(path):
+    return 0
+  kept, dropped = [], 0
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError:
+        dropped += 1
+        continue
+      time_of = {"phase": record.get("end"), "session": record.get("start")}.get(record.get("kind"))
+      if record.get("kind") == "group" or (until is not None and time_of is not None and time_of <= until):
+        kept.append(json.dumps(record) + "\n")
+      else:
+        dropped += 1
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.writelines(kept)
+  os.replace(tmp, path)
+  return dropped
+
+
 # --------------------------------------------------------------------------------------------- loading
 
 

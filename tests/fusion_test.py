@@ -41,9 +41,9 @@ def runs(tmp_path_factory):
   original = phases.rl_step
   per_step = {}
 
-  def counting(setup, programs, state, ref, step, timeline):
+  def counting(setup, programs, state, ref, step, *args):
     before = len(traces)
-    out = original(setup, programs, state, ref, step, timeline)
+    out = original(setup, programs, state, ref, step, *args)
     per_step[(programs.deployment.mode, step)] = len(traces) - before
     return out
 

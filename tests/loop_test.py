@@ -9,29 +9,9 @@ import pytest
 from rl_fusion_jax import config as config_lib
 from rl_fusion_jax import metrics as metrics_lib
 from rl_fusion_jax.orchestration import loop
+from rl_fusion_jax.testing.experiments import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def tiny(**overrides):
-  """A seconds-scale experiment: 2-layer model, 4 prompts x 2 samples, 2 warm-up steps."""
-  c = dict(
-      model=dict(model_type="qwen2", vocab_size=96, hidden_size=32, num_layers=2, num_heads=4,
-                 num_kv_heads=2, intermediate_size=64, qkv_bias=True, tie_word_embeddings=True,
-                 max_position_embeddings=32),
-      mesh=dict(data=-1, fsdp=2, tensor=1),
-      task=dict(name="arithmetic", kwargs=dict(max_digits=2), eval_problems=8),
-      rollout=dict(num_prompts=4, group_size=2, max_prompt_len=8, max_new_tokens=4),
-      optim=dict(learning_rate=1e-3),
-      warmup=dict(steps=2, batch_size=8),
-      run=dict(steps=3, checkpoint_every=1, progress_every_s=0.0))
-  for path, value in overrides.items():
-    node = c
-    *parents, leaf = path.split(".")
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[leaf] = value
-  return config_lib.experiment_from_dict(c)
 
 
 @pytest.mark.parametrize("overrides,match", [

@@ -31,5 +31,19 @@ def test_grpo_main_rejects_config_typo(tmp_path):
          f"--workdir={tmp_path / 'run'}", "--config.rollout.temprature=0.5"]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0
-  assert "temprature" in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1] == (
+      "error: --config.rollout.temprature: config.rollout has no field 'temprature'; "
+      "did you mean --config.rollout.temperature?")
+  assert len(proc.stderr.strip().splitlines()) <= 3    # one line, not a traceback
+  assert not (tmp_path / "run").exists()
+
+
+def test_grpo_main_reports_bad_values_in_one_line(tmp_path):
+  cmd = [sys.executable, os.path.join(ROOT, "experiments", "grpo_main.py"),
+         "--config=" + os.path.join(ROOT, "experiments", "configs", "arithmetic.py"),
+         f"--workdir={tmp_path / 'run'}", "--config.task.eval_problems=0"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1
+  assert "error: config.task.eval_problems: must be >= 1, got 0" in proc.stderr
+  assert "Traceback" not in proc.stderr
   assert not (tmp_path / "run").exists()

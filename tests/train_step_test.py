@@ -129,3 +129,30 @@ def test_sft_step_lowers_loss():
     losses.append(float(m["loss"]))
   assert losses[-1] < 0.5 * losses[0]
   assert int(state.policy_version) == 0
+
+
+def _params_equal(a, b):
+  return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_guard_skips_an_update_with_a_nan_loss():
+  state, step = setup()
+  before = jax.device_get(state)
+  data = batch(3)
+  data = data.replace(advantages_b=data.advantages_b.at[5].set(jnp.nan))   # NaN loss (and gradients)
+  state, metrics = step(state, data)
+  assert float(metrics["nonfinite"]) == 1.0                   # loss: the first quantity computed
+  assert _params_equal(state.params, before.params) and _params_equal(state.opt_state, before.opt_state)
+  assert int(state.step) == 1 and int(state.policy_version) == 1
+  state, metrics = step(state, batch(4))                      # a finite batch applies again
+  assert float(metrics["nonfinite"]) == 0.0 and not _params_equal(state.params, before.params)
+
+
+def test_guard_catches_parameters_that_overflow():
+  # An update of gradient * 1e30 * 1e30: finite loss and gradients, but the new params overflow to inf.
+  state, step = setup(tx=optax.chain(optax.scale(-1e30), optax.scale(1e30)))
+  before = jax.device_get(state.params)
+  state, metrics = step(state, batch(5))
+  assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+  assert float(metrics["nonfinite"]) == 3.0                   # updated parameters
+  assert _params_equal(state.params, before)

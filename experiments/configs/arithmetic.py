@@ -41,9 +41,11 @@ def get_config(arg: str = ""):
   c.optim = ml_collections.ConfigDict(dict(
       learning_rate=1e-4, b1=0.9, b2=0.99, weight_decay=0.0, grad_clip=1.0, warmup_steps=0,
       micro_batches=1))
-  c.warmup = ml_collections.ConfigDict(dict(steps=1000, batch_size=64, learning_rate=2e-3))
+  c.warmup = ml_collections.ConfigDict(dict(steps=1000, batch_size=64, learning_rate=2e-3,
+                                             checkpoint_every=250))
   c.run = ml_collections.ConfigDict(dict(
-      steps=300, seed=0, checkpoint_every=100, keep_checkpoints=2, progress_every_s=5.0, eval_every=100))
+      steps=300, seed=0, checkpoint_every=100, keep_checkpoints=2, progress_every_s=5.0, eval_every=100,
+      on_nonfinite="stop", max_consecutive_skips=3))
   if arg == "drgrpo":
     c.algo.advantage = "dr_grpo"
     c.algo.aggregation = "seq-mean-token-sum-norm"

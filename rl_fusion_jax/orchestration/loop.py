@@ -1,29 +1,33 @@
 """The synchronous GRPO loop: ``run(config, workdir)``.
 
 Sections:
-  1. validate everything that can be validated before anything is compiled or written;
-  2. build the deployment (meshes, layouts) and the compiled programs;
-  3. resume from the latest checkpoint, or warm up (SFT) and evaluate the starting policy;
-  4. the RL loop (metrics and timeline every step, checkpoints every N steps);
-  5. final evaluation and summary.
+  1. validate everything that can be validated before anything is compiled or written, including
+     whether this config may continue the run already in the workdir (``resume.inspect``);
+  2. restore the newest intact checkpoint (RL, else warm-up), falling back past corrupt ones;
+  3. write the workdir (config, tokenizer, outputs truncated to the checkpoint), build the programs;
+  4. warm up (SFT, checkpointed) and evaluate the starting policy, unless resumed past that;
+  5. the RL loop (metrics and timeline every step, the divergence guard, checkpoints every N steps);
+  6. summary (the last step's evaluation is the final one: it runs once).
 """
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from absl import logging
 
-from rl_fusion_jax import config as config_lib
 from rl_fusion_jax import metrics as metrics_lib
 from rl_fusion_jax import models
-from rl_fusion_jax.checkpointing import Checkpointer
+from rl_fusion_jax.checkpointing import abstract_like
 from rl_fusion_jax.config import ExperimentConfig
-from rl_fusion_jax.orchestration import phases
-from rl_fusion_jax.orchestration.programs import Programs
+from rl_fusion_jax.errors import ConfigError
+from rl_fusion_jax.orchestration import phases, resume
+from rl_fusion_jax.orchestration.guard import DivergenceGuard
+from rl_fusion_jax.orchestration.programs import Placement, Programs, make_placement
 from rl_fusion_jax.orchestration.setup import Setup, validate, write_json_atomic
 from rl_fusion_jax.timeline import Timeline, timeline_path
 from rl_fusion_jax.train import state as state_lib
@@ -32,8 +36,8 @@ from rl_fusion_jax.train import state as state_lib
 class _Evaluator:
   """Greedy evaluation wrapped in the phase switch (each round uses fresh sample ids)."""
 
-  def __init__(self, setup: Setup, programs: Programs, timeline: Timeline):
-    self.setup, self.programs, self.timeline, self.rounds = setup, programs, timeline, 0
+  def __init__(self, setup: Setup, programs: Programs, timeline: Timeline, rounds: int = 0):
+    self.setup, self.programs, self.timeline, self.rounds = setup, programs, timeline, rounds
 
   def __call__(self, state, step: int):
     d = self.programs.deployment
@@ -45,87 +49,164 @@ class _Evaluator:
     return state, out
 
 
-def _start(setup: Setup, programs: Programs, ckpt: Checkpointer, evaluate: _Evaluator, writer):
-  """Resumes from the latest checkpoint, or warms up and evaluates. -> (state, ref, start, before)."""
-  cfg = setup.cfg
+def _targets(cfg: ExperimentConfig, placement: Placement):
+  """``targets_for(kind, meta)``: abstract restore targets (with shardings) of each checkpoint kind."""
   abstract = models.abstract_params(cfg.model.config)
-  needs_ref = cfg.algo.needs_reference
-  latest = ckpt.latest_step()
-  if latest is not None:
-    like = jax.eval_shape(lambda p: state_lib.TrainState(jnp.int32(0), p, programs.tx.init(p),
-                                                         jnp.int32(0)), abstract)
-    state, meta, ref = ckpt.restore(latest, like, programs.state_shardings,
-                                    ref_like=abstract if needs_ref else None)
-    if meta.get("seed") != cfg.run.seed:
-      raise ValueError(f"{ckpt.directory}: checkpoint was written with seed {meta.get('seed')}, "
-                       f"config.run.seed is {cfg.run.seed}")
-    logging.info("resumed from step %d (%s)", meta["step"], ckpt.directory)
-    programs.deployment.publish(state.params)
-    return state, ref, int(meta["step"]), meta["eval_before"]
-  params = phases.warmup(setup, programs, phases.init_policy(setup, programs))
-  ref = jax.tree.map(jnp.copy, params) if needs_ref else None
-  state = state_lib.create_train_state(params, programs.tx, programs.state_shardings)
-  programs.deployment.publish(state.params)
-  state, before = evaluate(state, 0)
-  logging.info("before RL: accuracy %.3f format %.3f", before["accuracy"], before["format_rate"])
-  writer.write(0, {f"eval/{k}": v for k, v in before.items()})
-  return state, ref, 0, before
+
+  def state_targets(tx, shardings):
+    like = jax.eval_shape(lambda p: state_lib.TrainState(jnp.int32(0), p, tx.init(p), jnp.int32(0)), abstract)
+    return {"params": abstract_like(like.params, shardings.params),
+            "opt_state": abstract_like(like.opt_state, shardings.opt_state),
+            "counters": abstract_like({"step": like.step, "policy_version": like.policy_version},
+                                      {"step": shardings.step, "policy_version": shardings.policy_version})}
+
+  def targets_for(kind: str, meta: dict):
+    del meta
+    if kind == "warmup":
+      return state_targets(phases.warmup_optimizer(cfg), phases.warmup_shardings(cfg, placement))
+    out = state_targets(placement.tx, placement.state_shardings)
+    if cfg.algo.needs_reference:
+      out["ref_params"] = abstract_like(abstract, placement.param_shardings)
+    return out
+  return targets_for
 
 
-def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False) -> dict[str, Any]:
+def _state_from(items) -> state_lib.TrainState:
+  return state_lib.TrainState(step=items["counters"]["step"], params=items["params"],
+                              opt_state=items["opt_state"], policy_version=items["counters"]["policy_version"])
+
+
+def _state_items(state, ref=None) -> dict[str, Any]:
+  items = {"params": state.params, "opt_state": state.opt_state,
+           "counters": {"step": state.step, "policy_version": state.policy_version}}
+  if ref is not None:
+    items["ref_params"] = ref
+  return items
+
+
+def _validate(cfg: ExperimentConfig, workdir: str, tensorboard: bool, overrides: Sequence[str]):
+  """Section 1: every check that needs neither a compile nor a write; bad input is a ConfigError."""
+  try:
+    setup = validate(cfg, jax.device_count())
+  except ConfigError:
+    raise
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
+  if tensorboard and importlib.util.find_spec("tensorboardX") is None:
+    raise ConfigError("--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'")
+  resume.check_workdir(workdir)
+  return setup, resume.inspect(workdir, cfg, overrides)
+
+
+def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False,
+        resume_overrides: Sequence[str] = ()) -> dict[str, Any]:
   """Runs (or resumes) the experiment in ``workdir``; returns the summary also written to summary.json."""
   # 1. Validate before anything is compiled or written.
-  setup = validate(cfg, jax.device_count())
-  if tensorboard and importlib.util.find_spec("tensorboardX") is None:
-    raise ValueError("--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'")
-  os.makedirs(workdir, exist_ok=True)
-  write_json_atomic(os.path.join(workdir, "config.json"), config_lib.as_dict(cfg))
-  if hasattr(setup.tokenizer, "to_json"):
-    with open(os.path.join(workdir, "tokenizer.json"), "w", encoding="utf-8") as f:
-      f.write(setup.tokenizer.to_json())
+  setup, prior = _validate(cfg, workdir, tensorboard, resume_overrides)
 
-  # 2. Deployment and programs.
-  programs = Programs(setup)
+  # 2. Restore (reads; a corrupt newer checkpoint is moved aside only once an older one restored).
+  placement = make_placement(cfg)
+  restored = resume.restore(prior, _targets(cfg, placement))
+
+  # 3. Write the workdir, build the programs.
+  resume.prepare(prior, cfg, setup.tokenizer, restored)
+  programs = Programs(setup, placement)
   d = programs.deployment
   logging.info("mode %s: rollout mesh %s, training mesh %s (%s)", d.mode, dict(d.rollout_mesh.shape),
                dict(d.train_mesh.shape), jax.devices()[0].platform)
   timeline = Timeline(timeline_path(workdir))
   for name, ids in d.groups.items():
     timeline.add_group(name, ids)
-  ckpt = Checkpointer(workdir, keep=cfg.run.keep_checkpoints)
+  rl_ckpt, warm_ckpt = resume.checkpointers(workdir, cfg.run.keep_checkpoints, create=True)
+  for c in (rl_ckpt, warm_ckpt):
+    if c.exists() and c.prune():
+      logging.info("resume: pruned %s to the newest %d checkpoints", c.directory, c.keep)
   writer = metrics_lib.make_writer(workdir, tensorboard)
-  evaluate = _Evaluator(setup, programs, timeline)
+  try:   # pending asynchronous saves complete (or fail) before any error leaves run()
+    summary = _train(setup, programs, restored, timeline, rl_ckpt, warm_ckpt, writer)
+  finally:
+    rl_ckpt.close()
+    warm_ckpt.close()
+    writer.close()
+  write_json_atomic(os.path.join(workdir, "summary.json"), summary)
+  logging.info("accuracy before RL %.3f -> after RL %.3f", summary["accuracy_before"],
+               summary["accuracy_after"])
+  return summary
 
-  # 3. Resume, or warm up and evaluate the starting point.
-  state, ref, start, before = _start(setup, programs, ckpt, evaluate, writer)
+
+def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ckpt, warm_ckpt, writer):
+  """Sections 4-6: warm start or resumed state, the RL loop, the summary."""
+  cfg, d = setup.cfg, programs.deployment
+  meta = restored.meta if restored is not None and restored.kind == "rl" else {}
+  evaluate = _Evaluator(setup, programs, timeline, meta.get("eval_rounds", 0))
+  guard = DivergenceGuard(cfg.run, "RL", **meta.get("guard", {}))
+
+  # 4. Resume the RL loop, or warm up (continuing a warm-up checkpoint) and evaluate the start.
+  if meta:
+    state, ref = _state_from(restored.items), restored.items.get("ref_params")
+    start, before, last_eval = int(meta["step"]), meta["eval_before"], meta.get("last_eval")
+    data_position = int(meta["data_position"])
+    programs.deployment.publish(state.params)
+  else:
+    state, ref, before = _warm_start(setup, programs, restored, warm_ckpt, timeline, evaluate)
+    start, data_position, last_eval = 0, 0, {"step": 0, **before}
+    writer.write(0, {f"eval/{k}": v for k, v in before.items()})
   ref_resting = d.place_aux(ref) if ref is not None else None
 
-  # 4. The RL loop.
+  def save(step: int):
+    with timeline.phase("checkpoint", group=d.train_group, step=step):
+      ref_now = d.fetch_aux(ref_resting) if ref_resting is not None else None
+      rl_ckpt.save(step, _state_items(state, ref_now), {
+          "kind": "rl", "step": step, "seed": cfg.run.seed, "config": resume.plain_config(cfg),
+          "eval_before": before, "last_eval": last_eval, "data_position": data_position,
+          "eval_rounds": evaluate.rounds, "guard": guard.state(), "timeline_time": timeline.now()})
+      if ref_now is not None and ref_now is not ref_resting:
+        rl_ckpt.wait()   # a fetched device copy of a host-resident reference is released after the save
+        d.release_aux(ref_now)
+
+  if not meta:
+    save(0)   # the warmed-up start: a resume never redoes the warm-up or the first evaluation
+
+  # 5. The RL loop.
   progress = metrics_lib.Progress(cfg.run.steps, start, cfg.run.progress_every_s)
   for step in range(start, cfg.run.steps):
-    state, scalars = phases.rl_step(setup, programs, state, ref_resting, step, timeline)
-    if cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0:
+    state, scalars = phases.rl_step(setup, programs, state, ref_resting, step, timeline, data_position)
+    scalars |= guard.scalars(guard.check(step + 1, scalars))
+    data_position += cfg.rollout.num_prompts
+    if step + 1 == cfg.run.steps or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0):
       state, out = evaluate(state, step + 1)
       scalars |= {f"eval/{k}": v for k, v in out.items()}
+      last_eval = {"step": step + 1, **out}
     writer.write(step + 1, scalars)
     progress.update(step + 1, scalars)
     if step + 1 == cfg.run.steps or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
-      ref_now = d.fetch_aux(ref_resting) if ref_resting is not None else None
-      ckpt.save(step + 1, state, {"step": step + 1, "seed": cfg.run.seed, "eval_before": before,
-                                  "data_position": (step + 1) * cfg.rollout.num_prompts},
-                ref_params=ref_now)
-      if ref_now is not None and ref_now is not ref_resting:
-        ckpt.wait()   # a fetched device copy of a host-resident reference is released after the save
-        d.release_aux(ref_now)
+      save(step + 1)
 
-  # 5. Final evaluation and summary.
-  state, after = evaluate(state, cfg.run.steps)
-  writer.write(cfg.run.steps, {f"eval/{k}": v for k, v in after.items()})
-  ckpt.close()
-  writer.close()
-  summary = {"accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
-             "format_rate_before": before["format_rate"], "format_rate_after": after["format_rate"],
-             "steps": cfg.run.steps, "mode": d.mode}
-  write_json_atomic(os.path.join(workdir, "summary.json"), summary)
-  logging.info("accuracy before RL %.3f -> after RL %.3f", before["accuracy"], after["accuracy"])
-  return summary
+  # 6. Summary: the evaluation of the last step (run once, also when resumed at the end).
+  after = {k: v for k, v in last_eval.items() if k != "step"}
+  return {"accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
+          "format_rate_before": before["format_rate"], "format_rate_after": after["format_rate"],
+          "steps": cfg.run.steps, "mode": d.mode, "updates_skipped": guard.skipped}
+
+
+def _warm_start(setup: Setup, programs: Programs, restored, warm_ckpt, timeline: Timeline,
+                evaluate: _Evaluator):
+  """Warm-up (continued from its checkpoint when there is one) and the evaluation of the start."""
+  cfg, d = setup.cfg, programs.deployment
+  guard = DivergenceGuard(cfg.run, "warm-up", **(restored.meta.get("guard", {}) if restored else {}))
+  warm_state = _state_from(restored.items) if restored is not None else None
+
+  def save(step: int, state):
+    warm_ckpt.save(step, _state_items(state), {
+        "kind": "warmup", "step": step, "seed": cfg.run.seed, "config": resume.plain_config(cfg),
+        "guard": guard.state(), "timeline_time": timeline.now()})
+
+  with timeline.phase("warmup", group=d.train_group):
+    params = phases.init_policy(setup, programs) if warm_state is None else None
+    params = phases.warmup(setup, programs, params, state=warm_state, save=save, guard=guard)
+  ref = jax.tree.map(jnp.copy, params) if cfg.algo.needs_reference else None
+  state = state_lib.create_train_state(params, programs.tx, programs.state_shardings)
+  d.publish(state.params)
+  state, before = evaluate(state, 0)
+  logging.info("before RL: accuracy %.3f format %.3f", before["accuracy"], before["format_rate"])
+  return state, ref, before

@@ -34,24 +34,49 @@ def init_policy(setup: Setup, programs: Programs):
   return jax.jit(init, out_shardings=programs.param_shardings)(jax.random.key(cfg.run.seed))
 
 
-def warmup(setup: Setup, programs: Programs, params):
-  """Supervised warm-up on the task's reference completions; returns the new params."""
+def warmup_optimizer(cfg):
+  """The warm-up's own AdamW (no learning-rate warm-up) at ``warmup.learning_rate``."""
+  return state_lib.make_optimizer(dataclasses.replace(cfg.optim, warmup_steps=0),
+                                  learning_rate=cfg.warmup.learning_rate)
+
+
+def warmup_shardings(cfg, placement) -> state_lib.TrainState:
+  return state_lib.state_shardings(warmup_optimizer(cfg), models.abstract_params(cfg.model.config),
+                                   placement.param_shardings, placement.mesh)
+
+
+def warmup(setup: Setup, programs: Programs, params, *, state=None, save=None, guard=None):
+  """Supervised warm-up on the task's reference completions; returns the new params.
+
+  ``state``: a restored warm-up TrainState to continue from (its ``step`` says how far it got).
+  ``save(step, state)`` is called every ``warmup.checkpoint_every`` steps, after the guard has seen
+  every update up to that step. Metrics are fetched every 16 steps (the bounded dispatch queue), and the
+  divergence guard reads them then: with ``stop`` the run ends naming the first non-finite step.
+  """
   cfg = setup.cfg
   if not cfg.warmup.steps:
     return params
-  tx = state_lib.make_optimizer(dataclasses.replace(cfg.optim, warmup_steps=0),
-                                learning_rate=cfg.warmup.learning_rate)
-  shardings = state_lib.state_shardings(tx, models.abstract_params(cfg.model.config),
-                                        programs.param_shardings, programs.mesh)
-  state = state_lib.create_train_state(params, tx, shardings)
+  tx = warmup_optimizer(cfg)
+  shardings = warmup_shardings(cfg, programs)
+  if state is None:
+    state = state_lib.create_train_state(params, tx, shardings)
   sft_step = step_lib.make_sft_step(cfg.model.config, tx, 1, programs.mesh, shardings)
-  n = cfg.warmup.batch_size
-  for step in range(cfg.warmup.steps):
+  n, every, pending = cfg.warmup.batch_size, cfg.warmup.checkpoint_every, []
+  for step in range(int(state.step), cfg.warmup.steps):
     problems = [setup.warmup_task.problem(step * n + i) for i in range(n)]
     tokens, mask = data.encode_sft(setup.tokenizer, problems, cfg.rollout.seq_len)
     state, m = sft_step(state, data.to_global(programs.mesh, tokens), data.to_global(programs.mesh, mask))
-    if step % 16 == 15 or step == cfg.warmup.steps - 1:   # bounded dispatch queue, and a log line
-      logging.info("warm-up step %d/%d loss %.4f", step + 1, cfg.warmup.steps, float(m["loss"]))
+    pending.append(m)
+    done = step + 1
+    checkpoint = every and done % every == 0
+    if done % 16 == 0 or done == cfg.warmup.steps or checkpoint:
+      for i, host_m in enumerate(jax.device_get(pending)):
+        if guard is not None:
+          guard.check(done - len(pending) + i + 1, host_m)
+      logging.info("warm-up step %d/%d loss %.4f", done, cfg.warmup.steps, float(pending[-1]["loss"]))
+      pending = []
+      if checkpoint and save is not None:
+        save(done, state)
   return state.params
 
 
@@ -109,13 +134,19 @@ def kv_cache_bytes(cfg) -> int:
   return 2 * m.num_layers * r.slots * r.seq_len * m.num_kv_heads * m.head_dim * itemsize
 
 
-def rl_step(setup: Setup, programs: Programs, state, ref_resting, step: int, timeline: Timeline):
-  """Switch -> generate -> switch -> reward -> reference -> advantages -> update -> publish."""
+def rl_step(setup: Setup, programs: Programs, state, ref_resting, step: int, timeline: Timeline,
+            data_position: int | None = None):
+  """Switch -> generate -> switch -> reward -> reference -> advantages -> update -> publish.
+
+  ``data_position``: index of the step's first problem (default ``step * num_prompts``); sample and
+  group ids derive from it, so a run resumed with another batch size never draws a problem twice.
+  """
   cfg, d, r = setup.cfg, programs.deployment, setup.cfg.rollout
   t_start = time.perf_counter()
-  problems = [setup.train_task.problem(step * r.num_prompts + i) for i in range(r.num_prompts)]
+  first = step * r.num_prompts if data_position is None else data_position
+  problems = [setup.train_task.problem(first + i) for i in range(r.num_prompts)]
   programs.engine.add(_requests(setup.tokenizer, problems, r.max_prompt_len, r.group_size,
-                                step * r.batch_size, step * r.num_prompts))
+                                first * r.group_size, first))
   metrics = {}
   with timeline.phase("switch", group=d.rollout_group, step=step):
     state, gen_params, m = d.to_generation(state)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from rl_fusion_jax import models
 from rl_fusion_jax.algorithms import registry
@@ -47,19 +49,42 @@ def assemble_batch(cfg: ExperimentConfig, rollout: Rollout, rewards_b, ref_logp_
   return batch, stats
 
 
-class Programs:
-  """Deployment + compiled programs for one ExperimentConfig."""
+@dataclasses.dataclass
+class Placement:
+  """Optimizer, deployment and state shardings: everything a restore needs, built without compiling."""
+  tx: optax.GradientTransformation
+  deployment: Any
+  state_shardings: state_lib.TrainState
 
-  def __init__(self, setup: Setup):
+  @property
+  def mesh(self):
+    return self.deployment.train_mesh
+
+  @property
+  def param_shardings(self):
+    return self.deployment.train_param_shardings
+
+
+def make_placement(cfg: ExperimentConfig) -> Placement:
+  abstract = models.abstract_params(cfg.model.config)
+  tx = state_lib.make_optimizer(cfg.optim)
+  d = make_deployment(cfg, abstract, models.param_logical_axes(cfg.model.config), tx)
+  return Placement(tx, d, state_lib.state_shardings(tx, abstract, d.train_param_shardings, d.train_mesh))
+
+
+class Programs:
+  """Deployment + compiled programs for one ExperimentConfig (pass the run's Placement to reuse it)."""
+
+  def __init__(self, setup: Setup, placement: Placement | None = None):
     cfg = setup.cfg
     model_cfg, r = cfg.model.config, cfg.rollout
     self.cfg = cfg
-    abstract = models.abstract_params(model_cfg)
-    self.tx = state_lib.make_optimizer(cfg.optim)
-    self.deployment = d = make_deployment(cfg, abstract, models.param_logical_axes(model_cfg), self.tx)
+    placement = placement or make_placement(cfg)
+    self.tx, self.deployment = placement.tx, placement.deployment
+    self.state_shardings = placement.state_shardings
+    d = self.deployment
     self.mesh = d.train_mesh
     self.param_shardings = d.train_param_shardings
-    self.state_shardings = state_lib.state_shardings(self.tx, abstract, self.param_shardings, self.mesh)
     sampling = SamplingParams(r.temperature, r.top_k, r.top_p)
     spec = GenerateSpec(model_cfg, sampling, r.max_prompt_len, r.max_new_tokens, setup.tokenizer.eos_id)
     engine_cfg = EngineConfig(spec=spec, num_slots=r.slots, chunk_steps=r.chunk_steps,

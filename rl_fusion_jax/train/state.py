@@ -13,7 +13,7 @@ from rl_fusion_jax.sharding.mesh import replicated
 
 @flax.struct.dataclass
 class TrainState:
-  step: jax.Array               # int32: optimizer updates applied
+  step: jax.Array               # int32: update steps taken (a guarded, skipped update counts too)
   params: dict
   opt_state: optax.OptState
   policy_version: jax.Array     # int32: the version stamped on tokens generated with these params

@@ -53,14 +53,44 @@ def _accumulate(loss_fn: LossFn, params, batch, weights_bt, num_micro: int, mesh
   return grads, sums
 
 
+# The divergence guard: what ``metrics["nonfinite"]`` holds after an update (0: all finite, else the first
+# non-finite quantity in the order they are computed). The host names it with NONFINITE_NAMES.
+NONFINITE_NAMES = {1: "loss or a loss metric", 2: "gradients", 3: "updated parameters", 4: "optimizer state"}
+
+
+def all_finite(tree) -> jax.Array:
+  """bool scalar: every floating-point leaf of ``tree`` is finite (integer leaves always are)."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def _first_nonfinite(*trees) -> jax.Array:
+  """int32: 0 when every tree is finite, else 1 + the index of the first tree that is not."""
+  code = jnp.int32(0)
+  for i, tree in reversed(list(enumerate(trees))):
+    code = jnp.where(all_finite(tree), code, jnp.int32(i + 1))
+  return code
+
+
 def update(loss_fn: LossFn, tx: optax.GradientTransformation, num_micro: int, mesh: Mesh,
            state: TrainState, batch, weights_bt, bump_version: bool):
+  """One guarded optimizer update: applied only when loss, gradients and the new state are all finite.
+
+  A non-finite update leaves params and optimizer state as they were (a select on device, no host round
+  trip); ``metrics["nonfinite"]`` says which quantity failed, and the host decides (stop or skip).
+  Step and policy version advance either way, so versions stay a function of the step.
+  """
   grads, sums = _accumulate(loss_fn, state.params, batch, weights_bt, num_micro, mesh)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   sums["grad_norm"] = optax.global_norm(grads)
-  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+  code = _first_nonfinite(sums, grads, params, opt_state)
+  ok = code == 0
+  keep = lambda new, old: jnp.where(ok, new, old)
+  new_state = state.replace(step=state.step + 1, params=jax.tree.map(keep, params, state.params),
+                            opt_state=jax.tree.map(keep, opt_state, state.opt_state),
                             policy_version=state.policy_version + int(bump_version))
+  sums["nonfinite"] = code.astype(jnp.float32)
   return new_state, sums
 
 

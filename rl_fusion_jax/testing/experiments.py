@@ -1,0 +1,31 @@
+"""Seconds-scale experiment configs for tests of the loop (2-layer model, 4 prompts x 2 samples)."""
+from __future__ import annotations
+
+from typing import Any
+
+from rl_fusion_jax import config as config_lib
+
+
+def tiny_dict(**overrides: Any) -> dict[str, Any]:
+  """The tiny experiment as a plain dict; ``overrides`` are dotted paths, e.g. ``{"run.steps": 5}``."""
+  c = dict(
+      model=dict(model_type="qwen2", vocab_size=96, hidden_size=32, num_layers=2, num_heads=4,
+                 num_kv_heads=2, intermediate_size=64, qkv_bias=True, tie_word_embeddings=True,
+                 max_position_embeddings=32),
+      mesh=dict(data=-1, fsdp=2, tensor=1),
+      task=dict(name="arithmetic", kwargs=dict(max_digits=2), eval_problems=8),
+      rollout=dict(num_prompts=4, group_size=2, max_prompt_len=8, max_new_tokens=4),
+      optim=dict(learning_rate=1e-3),
+      warmup=dict(steps=2, batch_size=8),
+      run=dict(steps=3, checkpoint_every=1, progress_every_s=0.0))
+  for path, value in overrides.items():
+    node = c
+    *parents, leaf = path.split(".")
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = value
+  return c
+
+
+def tiny(**overrides: Any) -> config_lib.ExperimentConfig:
+  return config_lib.experiment_from_dict(tiny_dict(**overrides))
