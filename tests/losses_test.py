@@ -99,7 +99,72 @@ def test_clipped_surrogate_jits():
   loss_bt, stats = fn(jnp.log(jnp.full((2, 3), 1.5)), jnp.zeros((2, 3)), jnp.array([1.0, -1.0]))
   # Row 0: A=1, rho=1.5 -> clipped at 1.28 -> -1.28. Row 1: A=-1, rho=1.5 -> 1.5 (< cap 3).
   np.testing.assert_allclose(loss_bt, [[-1.28] * 3, [1.5] * 3], rtol=1e-6)
-  assert set(stats) == {"ratio", "clipped", "dual_clipped"}
+  # The stats contract shared by every policy loss (a key set: jit returns dicts with sorted keys);
+  # ppo_clip has no importance weight: w = 1, never truncated.
+  assert set(stats) == set(losses.POLICY_LOSS_STATS)
+  assert set(stats) == {"ratio", "clipped", "dual_clipped", "is_weight", "is_truncated", "log_ratio_clamped"}
+  np.testing.assert_array_equal(stats["is_weight"], np.ones((2, 3)))
+  np.testing.assert_array_equal(stats["is_truncated"], np.zeros((2, 3)))
+  np.testing.assert_array_equal(stats["log_ratio_clamped"], np.zeros((2, 3)))
+
+
+# Log-ratios 100, -100 and ln 1.1 against old_logp = 0, one row per advantage sign. e^20 = 485165195.4.
+HUGE_LOGP_BT = jnp.array([[100.0, -100.0, np.log(1.1)]] * 2)
+E20 = float(np.exp(np.float64(20.0)))
+
+
+def _loss_and_grad(logp_bt, adv, **kwargs):
+  loss_fn = lambda lp: losses.clipped_surrogate(lp, jnp.zeros_like(lp), adv, **kwargs)
+  loss_bt, stats = loss_fn(logp_bt)
+  return np.asarray(loss_bt), stats, np.asarray(jax.grad(lambda lp: loss_fn(lp)[0].sum())(logp_bt))
+
+
+def test_huge_log_ratio_is_clamped_finite_loss_and_gradient():
+  # Clamp c = 20: log-ratio 100 -> rho = e^20, -100 -> rho = e^-20 = 2.061154e-9; both are constants, so
+  # their gradient is 0. eps = 0.2, A = [-1, +1] per row:
+  #   A=-1, rho=e^20:   -min(-e^20, -1.2)     = e^20         (no dual clip)
+  #   A=-1, rho=e^-20:  -min(-e^-20, -0.8)    = 0.8, clipped
+  #   A=-1, rho=1.1:    -min(-1.1, -1.1)      = 1.1, grad -A*rho = 1.1
+  #   A=+1, rho=e^20:   -min(e^20, 1.2)       = -1.2, clipped
+  #   A=+1, rho=e^-20:  -min(e^-20, 0.8)      = -2.061154e-9
+  #   A=+1, rho=1.1:                            -1.1, grad -1.1
+  # Unclamped, exp(100) = inf in float32 and the gradient at that token is 0 * inf = NaN in both rows.
+  adv_b = jnp.array([-1.0, 1.0])
+  loss_bt, stats, grad_bt = _loss_and_grad(HUGE_LOGP_BT, adv_b)
+  np.testing.assert_allclose(loss_bt, [[E20, 0.8, 1.1], [-1.2, -2.061154e-9, -1.1]], rtol=1e-5)
+  np.testing.assert_allclose(grad_bt, [[0.0, 0.0, 1.1], [0.0, 0.0, -1.1]], rtol=1e-5, atol=0)
+  np.testing.assert_array_equal(stats["log_ratio_clamped"], [[1, 1, 0], [1, 1, 0]])
+  np.testing.assert_allclose(stats["ratio"][:, 0], [E20, E20], rtol=1e-5)
+  # Dual clip c = 3: the A=-1, rho=e^20 token is capped at -c*A = 3; everything else is unchanged.
+  loss_bt, stats, grad_bt = _loss_and_grad(HUGE_LOGP_BT, adv_b, dual_clip=3.0)
+  np.testing.assert_allclose(loss_bt, [[3.0, 0.8, 1.1], [-1.2, -2.061154e-9, -1.1]], rtol=1e-5)
+  np.testing.assert_allclose(grad_bt, [[0.0, 0.0, 1.1], [0.0, 0.0, -1.1]], rtol=1e-5, atol=0)
+  np.testing.assert_array_equal(stats["dual_clipped"], [[1, 0, 0], [0, 0, 0]])
+  np.testing.assert_array_equal(stats["log_ratio_clamped"], [[1, 1, 0], [1, 1, 0]])
+
+
+def test_log_ratio_clamp_is_configurable():
+  # Clamp c = 1: log-ratio 2 -> rho = e = 2.718282 (flagged, grad 0); log-ratio 0.5 -> rho = e^0.5 =
+  # 1.648721 (not flagged). A = -1, eps 0.2: losses -min(-rho, -1.2) = rho; grad -A*rho where unclamped.
+  logp_bt = jnp.array([[2.0, 0.5]])
+  loss_bt, stats, grad_bt = _loss_and_grad(logp_bt, jnp.array([-1.0]), log_ratio_clamp=1.0)
+  np.testing.assert_allclose(loss_bt, [[2.718282, 1.648721]], rtol=1e-6)
+  np.testing.assert_allclose(grad_bt, [[0.0, 1.648721]], rtol=1e-6, atol=0)
+  np.testing.assert_array_equal(stats["log_ratio_clamped"], [[1, 0]])
+  assert losses.LOG_RATIO_CLAMP == 20.0
+  with pytest.raises(ValueError, match="log_ratio_clamp"):
+    losses.clipped_surrogate(logp_bt, jnp.zeros((1, 2)), jnp.ones((1,)), log_ratio_clamp=0.0)
+
+
+def test_ppo_clip_rejects_a_proximal_policy_and_ignores_is_cap_and_mask():
+  with pytest.raises(ValueError, match="decoupled_ppo"):
+    losses.clipped_surrogate(jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.ones((1,)),
+                             proximal_logp_bt=jnp.zeros((1, 2)))
+  logp_bt = jnp.log(jnp.array([[0.5, 1.5]]))
+  plain, _ = losses.clipped_surrogate(logp_bt, jnp.zeros((1, 2)), jnp.ones((1,)))
+  extra, _ = losses.clipped_surrogate(logp_bt, jnp.zeros((1, 2)), jnp.ones((1,)), is_cap=1.5,
+                                      mask_bt=jnp.array([[1, 0]]))
+  np.testing.assert_array_equal(plain, extra)
 
 
 @pytest.mark.parametrize(

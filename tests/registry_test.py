@@ -5,12 +5,13 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from rl_fusion_jax import algorithms
-from rl_fusion_jax.algorithms import losses, registry
+from rl_fusion_jax.algorithms import losses, offpolicy, registry
 
 REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 2.0]
 
@@ -32,7 +33,15 @@ def test_advantage_names_resolve_to_the_right_estimator():
 
 
 def test_policy_kl_and_aggregation_names_resolve():
-  assert registry.get_policy_loss("ppo_clip") is losses.clipped_surrogate
+  want_losses = {
+      "ppo_clip": losses.clipped_surrogate,
+      "decoupled_ppo": offpolicy.decoupled_ppo_surrogate,
+      "tis_token": offpolicy.tis_token_loss,
+      "tis_seq": offpolicy.tis_seq_loss,
+  }
+  assert set(registry.POLICY_LOSSES) == set(want_losses)
+  for name, fn in want_losses.items():
+    assert registry.get_policy_loss(name) is fn
   # pi = 0.5, pi_ref = 0.25: log r = -ln 2 -> k1 = 0.693147, k2 = 0.240227, k3 = -0.5 + 0.693147 = 0.193147
   logp, ref = jnp.log(jnp.array([[0.5]])), jnp.log(jnp.array([[0.25]]))
   for name, want in {"k1": 0.693147, "k2": 0.240227, "k3": 0.193147}.items():
@@ -51,11 +60,30 @@ def test_policy_kl_and_aggregation_names_resolve():
     np.testing.assert_allclose(registry.get_token_weights_fn(name)(mask, norm_len=2), w, rtol=1e-6)
 
 
+@pytest.mark.parametrize("name", sorted(registry.POLICY_LOSSES))
+def test_every_policy_loss_takes_the_common_keywords_and_returns_the_stats_contract(name):
+  # The train step calls any registered loss the same way; each must answer with the same stats keys,
+  # every one a float32 [B, T] array, under jit. Row 1 is 0.3 nats stale on its response tokens.
+  logp_bt = jnp.log(jnp.array([[0.5, 0.4, 0.3], [0.2, 0.6, 0.9]]))
+  behaviour_bt = logp_bt - jnp.array([[0.0, 0.0, 0.0], [0.3, 0.3, 0.0]])
+  mask_bt = jnp.array([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+  kwargs = dict(clip_low=0.2, clip_high=0.28, dual_clip=None, is_cap=2.0, proximal_logp_bt=None,
+                mask_bt=mask_bt, log_ratio_clamp=20.0)
+  assert set(kwargs) == set(registry.POLICY_LOSS_KEYWORDS)
+  fn = jax.jit(lambda lp, beh, adv: registry.get_policy_loss(name)(lp, beh, adv, **kwargs))
+  loss_bt, stats = fn(logp_bt, behaviour_bt, jnp.array([1.0, -1.0]))
+  assert loss_bt.shape == (2, 3) and np.all(np.isfinite(loss_bt))
+  assert set(stats) == set(losses.POLICY_LOSS_STATS)
+  for key, value in stats.items():
+    assert value.shape == (2, 3) and value.dtype == jnp.float32, key
+    assert np.all(np.isfinite(value)), key
+
+
 @pytest.mark.parametrize(
     "getter, what, known",
     [
         (registry.get_advantage_fn, "advantage estimator", "dr_grpo, grpo, rloo"),
-        (registry.get_policy_loss, "policy loss", "ppo_clip"),
+        (registry.get_policy_loss, "policy loss", "decoupled_ppo, ppo_clip, tis_seq, tis_token"),
         (registry.get_kl_estimator, "KL estimator", "k1, k2, k3"),
         (
             registry.check_aggregation,
@@ -109,7 +137,7 @@ def test_import_has_no_side_effects():
       "import rl_fusion_jax.algorithms.registry as r\n"
       "from jax._src import xla_bridge\n"
       "assert not xla_bridge.backends_are_initialized()\n"
-      "assert sorted(r.POLICY_LOSSES) == ['ppo_clip']\n"
+      "assert sorted(r.POLICY_LOSSES) == ['decoupled_ppo', 'ppo_clip', 'tis_seq', 'tis_token']\n"
   )
   repo_root = pathlib.Path(__file__).resolve().parents[1]
   result = subprocess.run(

@@ -5,6 +5,12 @@ a model or reads a config object. All functions are safe inside `jit` and `grad`
 (clip ranges, estimator kind, aggregation mode) are static Python values validated before tracing, and
 array values never drive Python control flow.
 
+Every policy loss returns `(loss_bt, stats)` with the same stats keys, `POLICY_LOSS_STATS`, each a float
+[B, T] array (0/1 flags where the name says "clipped"/"truncated"), so metrics and the train step never
+branch on the loss name. A key that does not apply to a loss is filled with its neutral value: "is_weight"
+1 and "is_truncated" 0 for a loss without importance weights, "clipped" and "dual_clipped" 0 for a loss
+without a PPO clip. Off-policy corrections (decoupled PPO, truncated IS) live in `offpolicy.py`.
+
 Aggregation is expressed as per-token weights (`token_weights`) so that `loss = sum(loss_bt * w_bt)`.
 The weights are computed once on the full batch and then split with the batch into micro-batches;
 summing the micro-batch losses then reproduces the full-batch loss exactly, whatever the mode.
@@ -20,6 +26,12 @@ from jaxtyping import Array, ArrayLike, Float
 
 KL_KINDS = ("k1", "k2", "k3")
 AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# Log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp: float32 exp overflows above
+# ~88.7, and an inf ratio turns the gradient into NaN even where the loss selects a finite branch
+# (0 * inf in the backward pass). e^20 ~ 4.9e8 is far beyond any clip or truncation cap.
+LOG_RATIO_CLAMP = 20.0
+# The stats contract: every registered policy loss returns exactly these keys, each a float [B, T] array.
+POLICY_LOSS_STATS = ("ratio", "clipped", "dual_clipped", "is_weight", "is_truncated", "log_ratio_clamped")
 
 
 def _as_float(x: ArrayLike) -> Array:
@@ -48,6 +60,18 @@ def _check_clip_params(clip_low: float, clip_high: float, dual_clip: float | Non
     raise ValueError(f"dual_clip must be None or > 1, got {dual_clip!r}")
 
 
+def _check_log_ratio_clamp(log_ratio_clamp: float) -> None:
+  if not log_ratio_clamp > 0.0:
+    raise ValueError(f"log_ratio_clamp must be > 0, got {log_ratio_clamp!r}")
+
+
+def _check_pair(logp_bt: Array, other_bt: Array, other_name: str) -> None:
+  if logp_bt.ndim != 2 or logp_bt.shape != other_bt.shape:
+    raise ValueError(
+        f"logp_bt and {other_name} must be [B, T] of equal shape, got {logp_bt.shape} and {other_bt.shape}"
+    )
+
+
 def _broadcast_adv(adv: ArrayLike, shape: tuple[int, ...]) -> Array:
   """Accepts per-sequence [B] or per-token [B, T] advantages and returns them as [B, T]."""
   adv = _as_float(adv)
@@ -58,6 +82,43 @@ def _broadcast_adv(adv: ArrayLike, shape: tuple[int, ...]) -> Array:
   raise ValueError(f"adv must have shape {shape[:1]} (adv_b) or {shape} (adv_bt), got {adv.shape}")
 
 
+def clamped_exp(
+    log_ratio: Float[Array, "*s"], log_ratio_clamp: float
+) -> tuple[Float[Array, "*s"], Float[Array, "*s"]]:
+  """exp(clip(log_ratio, -c, c)) and a float flag, 1.0 where the clamp was active (|log_ratio| > c).
+
+  Where the clamp is active the result is a constant e^{+-c}: its gradient w.r.t. log_ratio is 0, so a
+  clamped token neither overflows nor moves the parameters.
+  """
+  exp_s = jnp.exp(jnp.clip(log_ratio, -log_ratio_clamp, log_ratio_clamp))
+  return exp_s, (jnp.abs(log_ratio) > log_ratio_clamp).astype(exp_s.dtype)
+
+
+def ppo_clip_term(
+    ratio_bt: Float[Array, "b t"],
+    adv_bt: Float[Array, "b t"],
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+) -> tuple[Float[Array, "b t"], Float[Array, "b t"], Float[Array, "b t"]]:
+  """-min(rho * A, clip(rho, 1 - clip_low, 1 + clip_high) * A), capped at -dual_clip * A where A < 0.
+
+  The shared core of `clipped_surrogate` and `offpolicy.decoupled_ppo_surrogate`; see the former for the
+  formula and references. Returns (loss_bt, clipped_bt, dual_clipped_bt), the last two 0/1 float flags.
+  """
+  unclipped_bt = ratio_bt * adv_bt
+  clipped_bt = jnp.clip(ratio_bt, 1.0 - clip_low, 1.0 + clip_high) * adv_bt
+  loss_bt = -jnp.minimum(unclipped_bt, clipped_bt)
+  dual_clipped_bt = jnp.zeros_like(loss_bt)
+  if dual_clip is not None:
+    cap_bt = -dual_clip * adv_bt
+    capped = (adv_bt < 0) & (loss_bt > cap_bt)
+    loss_bt = jnp.where(capped, cap_bt, loss_bt)
+    dual_clipped_bt = capped.astype(loss_bt.dtype)
+  return loss_bt, (clipped_bt < unclipped_bt).astype(loss_bt.dtype), dual_clipped_bt
+
+
 def clipped_surrogate(
     logp_bt: Float[ArrayLike, "b t"],
     old_logp_bt: Float[ArrayLike, "b t"],
@@ -66,10 +127,14 @@ def clipped_surrogate(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip: float | None = None,
+    log_ratio_clamp: float = LOG_RATIO_CLAMP,
+    proximal_logp_bt: Float[ArrayLike, "b t"] | None = None,
+    is_cap: float | None = None,
+    mask_bt: ArrayLike | None = None,
 ) -> tuple[Float[Array, "b t"], dict[str, Float[Array, "b t"]]]:
   """Per-token clipped surrogate loss of PPO (Schulman et al. 2017), as used by GRPO.
 
-  With ratio rho = exp(logp - old_logp) and advantage A:
+  With ratio rho = exp(clamp(logp - old_logp, -c, c)), c = log_ratio_clamp, and advantage A:
 
       loss = -min(rho * A, clip(rho, 1 - clip_low, 1 + clip_high) * A)
 
@@ -80,7 +145,13 @@ def clipped_surrogate(
 
       loss = min(loss, -c * A)    where A < 0
 
-  Gradients: d loss / d logp = -A * rho where neither clip is active, and 0 where one is.
+  Gradients: d loss / d logp = -A * rho where neither clip is active, and 0 where one is (and where the
+  log-ratio clamp is active: there rho is the constant e^{+-c}, finite instead of an overflowing exp).
+
+  This loss clips against the behaviour policy itself; for stale (off-policy) samples see
+  `offpolicy.decoupled_ppo_surrogate`. `is_cap` and `mask_bt` are accepted so that every registered
+  policy loss takes the same keywords, and are unused (no importance weight; aggregation applies the
+  mask).
 
   Args:
     logp_bt: [B, T] log-probs of the sampled tokens under the policy being trained.
@@ -89,33 +160,38 @@ def clipped_surrogate(
     clip_low: epsilon below 1, in [0, 1).
     clip_high: epsilon above 1, >= 0.
     dual_clip: None, or the cap c > 1 for negative advantages.
+    log_ratio_clamp: c > 0, the bound on |logp - old_logp| before exp.
+    proximal_logp_bt: must be None: PPO-clip has no separate proximal policy (use "decoupled_ppo").
+    is_cap, mask_bt: unused, see above.
 
   Returns:
     loss_bt: [B, T] per-token loss (aggregate with `aggregate` / `token_weights`).
-    stats: per-token float arrays: "ratio"; "clipped" (1.0 where the PPO clip chose the clipped
-      term); "dual_clipped" (1.0 where the dual-clip cap was applied; always 0 when dual_clip is None).
+    stats: the `POLICY_LOSS_STATS` keys, per-token float arrays: "ratio"; "clipped" (1.0 where the PPO
+      clip chose the clipped term); "dual_clipped" (1.0 where the dual-clip cap was applied; always 0
+      when dual_clip is None); "log_ratio_clamped" (1.0 where |logp - old_logp| > c); "is_weight"
+      (always 1) and "is_truncated" (always 0).
   """
+  del is_cap, mask_bt  # Unused: see the docstring.
+  if proximal_logp_bt is not None:
+    raise ValueError("ppo_clip clips against the behaviour log-probs and takes no proximal_logp_bt; "
+                     "use the 'decoupled_ppo' policy loss for a separate proximal policy")
   _check_clip_params(clip_low, clip_high, dual_clip)
+  _check_log_ratio_clamp(log_ratio_clamp)
   logp_bt, old_logp_bt = _as_float(logp_bt), _as_float(old_logp_bt)
-  if logp_bt.ndim != 2 or logp_bt.shape != old_logp_bt.shape:
-    raise ValueError(
-        f"logp_bt and old_logp_bt must be [B, T] of equal shape, got {logp_bt.shape} and {old_logp_bt.shape}"
-    )
+  _check_pair(logp_bt, old_logp_bt, "old_logp_bt")
   adv_bt = _broadcast_adv(adv, logp_bt.shape)
-  ratio_bt = jnp.exp(logp_bt - jax.lax.stop_gradient(old_logp_bt))
-  unclipped_bt = ratio_bt * adv_bt
-  clipped_bt = jnp.clip(ratio_bt, 1.0 - clip_low, 1.0 + clip_high) * adv_bt
-  loss_bt = -jnp.minimum(unclipped_bt, clipped_bt)
-  dual_clipped_bt = jnp.zeros_like(loss_bt)
-  if dual_clip is not None:
-    cap_bt = -dual_clip * adv_bt
-    capped = (adv_bt < 0) & (loss_bt > cap_bt)
-    loss_bt = jnp.where(capped, cap_bt, loss_bt)
-    dual_clipped_bt = capped.astype(loss_bt.dtype)
+  log_ratio_bt = logp_bt - jax.lax.stop_gradient(old_logp_bt)
+  ratio_bt, log_ratio_clamped_bt = clamped_exp(log_ratio_bt, log_ratio_clamp)
+  loss_bt, clipped_bt, dual_clipped_bt = ppo_clip_term(
+      ratio_bt, adv_bt, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
+  )
   stats = {
       "ratio": ratio_bt,
-      "clipped": (clipped_bt < unclipped_bt).astype(loss_bt.dtype),
+      "clipped": clipped_bt,
       "dual_clipped": dual_clipped_bt,
+      "is_weight": jnp.ones_like(loss_bt),
+      "is_truncated": jnp.zeros_like(loss_bt),
+      "log_ratio_clamped": log_ratio_clamped_bt,
   }
   return loss_bt, stats
 

@@ -1,8 +1,9 @@
 """Name -> function tables, so that an algorithm ablation is a config string.
 
-A config names its advantage estimator ("grpo", "dr_grpo", "rloo"), policy loss ("ppo_clip"), KL
-estimator ("k1", "k2", "k3") and aggregation mode; the train step looks the functions up here once,
-before tracing. A fork adds a variant with a decorator instead of editing the core:
+A config names its advantage estimator ("grpo", "dr_grpo", "rloo"), policy loss ("ppo_clip", and for
+stale tokens "decoupled_ppo", "tis_token", "tis_seq"), KL estimator ("k1", "k2", "k3") and aggregation
+mode; the train step looks the functions up here once, before tracing. A fork adds a variant with a
+decorator instead of editing the core:
 
     @register_advantage("my_adv")
     def my_adv(rewards_b, group_size):
@@ -14,6 +15,12 @@ Call conventions of the tables:
     KL_ESTIMATORS[name](logp_bt, ref_logp_bt) -> kl_bt
     AGGREGATIONS[name](mask_bt, *, norm_len=None) -> weights_bt
 
+Policy losses: every registered loss accepts the keywords POLICY_LOSS_KEYWORDS (clip_low, clip_high,
+dual_clip, is_cap, proximal_logp_bt, mask_bt, log_ratio_clamp), so the train step can pass the same
+ones whatever the name; a loss documents the ones it ignores or rejects (the TIS losses reject a
+dual_clip, ppo_clip a proximal_logp_bt, tis_seq requires mask_bt). `old_logp_bt` is the behaviour
+log-probs. `stats` holds exactly the keys `losses.POLICY_LOSS_STATS`, each a float [B, T] array.
+
 Importing this module only defines the tables: it registers nothing elsewhere and runs no JAX code.
 """
 
@@ -22,7 +29,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, TypeVar
 
-from rl_fusion_jax.algorithms import advantages, losses
+from rl_fusion_jax.algorithms import advantages, losses, offpolicy
 
 F = TypeVar("F", bound=Callable)
 
@@ -31,7 +38,15 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
     "dr_grpo": functools.partial(advantages.group_advantages, scale="none"),
     "rloo": advantages.rloo_advantages,
 }
-POLICY_LOSSES: dict[str, Callable] = {"ppo_clip": losses.clipped_surrogate}
+POLICY_LOSSES: dict[str, Callable] = {
+    "ppo_clip": losses.clipped_surrogate,
+    "decoupled_ppo": offpolicy.decoupled_ppo_surrogate,
+    "tis_token": offpolicy.tis_token_loss,
+    "tis_seq": offpolicy.tis_seq_loss,
+}
+POLICY_LOSS_KEYWORDS = (
+    "clip_low", "clip_high", "dual_clip", "is_cap", "proximal_logp_bt", "mask_bt", "log_ratio_clamp"
+)
 KL_ESTIMATORS: dict[str, Callable] = {
     kind: functools.partial(losses.kl_estimate, kind=kind) for kind in losses.KL_KINDS
 }
@@ -92,7 +107,10 @@ def register_advantage(name: str) -> Callable[[F], F]:
 
 
 def register_policy_loss(name: str) -> Callable[[F], F]:
-  """Decorator registering `fn(logp_bt, old_logp_bt, adv, **hparams) -> (loss_bt, stats)` under `name`."""
+  """Decorator registering `fn(logp_bt, old_logp_bt, adv, **hparams) -> (loss_bt, stats)` under `name`.
+
+  `fn` must accept the POLICY_LOSS_KEYWORDS and return the `losses.POLICY_LOSS_STATS` keys (see above).
+  """
   return _register(POLICY_LOSSES, "policy loss", name)
 
 
