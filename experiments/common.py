@@ -55,7 +55,7 @@ def parse_flags(argv):
   except absl_flags.Error as e:
     sys.stderr.write(f"FATAL Flags parsing error: {e}\nPass --helpshort or --helpfull to see help on flags.\n")
     sys.exit(1)
-  except (AttributeError, KeyError, TypeError, ValueError) as e:
+  except (AttributeError, KeyError, TypeError, ValueError):
     message = unknown_override(argv)
     if message is None:
       raise

@@ -17,6 +17,9 @@ never decides which step to resume from; ``orchestration/resume.py`` does.
 """
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
 import os
 import shutil
 import time
@@ -69,6 +72,40 @@ def fingerprint(tree) -> tuple[dict[str, int], bool]:
   """({leaf path: fingerprint}, all floating-point values finite) of a tree of jax arrays."""
   prints, finite = jax.device_get(_fingerprints(tree))
   return dict(zip(_paths(tree), (int(p) for p in prints))), bool(finite)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Host state (queues, in-flight samples): JSON with numpy arrays as base64, exact and checksummed.
+# ----------------------------------------------------------------------------------------------------
+
+def encode_host(obj):
+  """Nested dicts / lists / scalars / numpy arrays -> JSON-able (arrays as dtype, shape, base64 bytes)."""
+  if isinstance(obj, np.ndarray):
+    data = np.ascontiguousarray(obj)
+    return {"__ndarray__": base64.b64encode(data.tobytes()).decode("ascii"), "dtype": data.dtype.str,
+            "shape": list(data.shape)}
+  if isinstance(obj, dict):
+    return {str(k): encode_host(v) for k, v in obj.items()}
+  if isinstance(obj, (list, tuple)):
+    return [encode_host(v) for v in obj]
+  if isinstance(obj, np.generic):
+    return obj.item()
+  return obj
+
+
+def decode_host(obj):
+  if isinstance(obj, dict) and "__ndarray__" in obj:
+    data = base64.b64decode(obj["__ndarray__"])
+    return np.frombuffer(data, np.dtype(obj["dtype"])).reshape(obj["shape"]).copy()
+  if isinstance(obj, dict):
+    return {k: decode_host(v) for k, v in obj.items()}
+  if isinstance(obj, list):
+    return [decode_host(v) for v in obj]
+  return obj
+
+
+def _host_digest(encoded) -> str:
+  return hashlib.sha256(json.dumps(encoded, sort_keys=True).encode()).hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -135,16 +172,37 @@ class Checkpointer:
   def step_path(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
 
-  def save(self, step: int, items: Mapping[str, Any], meta: dict[str, Any]) -> None:
-    """Starts an asynchronous save of ``items`` (name -> pytree) and ``meta``; refuses non-finite trees."""
+  def save(self, step: int, items: Mapping[str, Any], meta: dict[str, Any], host=None) -> None:
+    """Starts an asynchronous save of ``items`` (name -> pytree) and ``meta``; refuses non-finite trees.
+
+    ``host``: optional host state (dicts, lists, scalars, numpy arrays) saved exactly, with a digest.
+    """
     checksums = {}
     for name, tree in items.items():
       checksums[name], finite = fingerprint(tree)
       if not finite:
         raise ValueError(f"refusing to write checkpoint step {step}: {name} holds non-finite values")
     args = {name: ocp.args.StandardSave(tree) for name, tree in items.items()}
-    args["meta"] = ocp.args.JsonSave({**meta, "checksums": checksums})
+    meta = {**meta, "checksums": checksums}
+    if host is not None:
+      encoded = encode_host(host)
+      meta["host_sha256"] = _host_digest(encoded)
+      args["host"] = ocp.args.JsonSave(encoded)
+    args["meta"] = ocp.args.JsonSave(meta)
     self._manager.save(step, args=ocp.args.Composite(**args))
+
+  def restore_host(self, step: int, meta: dict[str, Any]):
+    """The host state saved with ``step`` (None if none was), digest-checked."""
+    if "host_sha256" not in meta:
+      return None
+    path = self.step_path(step)
+    try:
+      encoded = self._manager.restore(step, args=ocp.args.Composite(host=ocp.args.JsonRestore()))["host"]
+    except Exception as e:
+      raise CheckpointError(path, f"host state unreadable ({type(e).__name__}: {e})") from e
+    if _host_digest(encoded) != meta["host_sha256"]:
+      raise CheckpointError(path, "checksum mismatch in the host state")
+    return decode_host(encoded)
 
   def read_meta(self, step: int) -> dict[str, Any]:
     """The JSON record of ``step`` (reads no arrays); CheckpointError when it is missing or corrupt."""

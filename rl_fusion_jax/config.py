@@ -185,6 +185,7 @@ class AlgoConfig:
   kl_mode: str = "loss"          # 'loss': a loss term; 'reward': subtracted from the sequence reward
   entropy_coef: float = 0.0
   aggregation: str = "token-mean"
+  is_cap: float = 5.0            # truncation of behaviour importance weights (decoupled_ppo, tis_*)
 
   def __post_init__(self):
     from rl_fusion_jax.algorithms import registry  # deferred: registry imports jax
@@ -201,10 +202,41 @@ class AlgoConfig:
     _require(self.clip_high >= 0, "algo.clip_high", f"must be >= 0, got {self.clip_high}")
     _require(self.dual_clip is None or self.dual_clip > 1, "algo.dual_clip",
              f"must be None or > 1, got {self.dual_clip}")
+    _require(self.is_cap >= 1, "algo.is_cap", f"must be >= 1 (inf disables truncation), got {self.is_cap}")
+    _require(self.dual_clip is None or not self.policy_loss.startswith("tis_"), "algo.dual_clip",
+             f"the truncated-IS loss {self.policy_loss!r} has no PPO clip to cap; set dual_clip=None")
 
   @property
   def needs_reference(self) -> bool:
     return self.kl_coef > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StaleSyncConfig:
+  """Bounded-staleness rollout (StaleSync). ``enabled=False`` runs the synchronous loop.
+
+  max_staleness (s): a group is trained on only while ``learner_version - min(token versions) <= s``.
+  rollout_fraction (f): the engine keeps ``ceil(num_prompts / f)`` groups outstanding, and a rollout phase
+  ends once ``num_prompts`` of them (a fraction f) finished and every group that would otherwise exceed
+  s has finished; the rest stay in flight into the next phase. s = 0 needs f = 1, and then the schedule
+  is the synchronous algorithm (tested equal to the synchronous loop).
+  """
+  enabled: bool = False
+  max_staleness: int = 0
+  rollout_fraction: float = 1.0
+
+  def __post_init__(self):
+    _require(isinstance(self.max_staleness, int) and self.max_staleness >= 0, "stalesync.max_staleness",
+             f"must be an int >= 0, got {self.max_staleness!r}")
+    _require(0 < self.rollout_fraction <= 1, "stalesync.rollout_fraction",
+             f"must be in (0, 1], got {self.rollout_fraction}")
+    _require(self.max_staleness > 0 or self.rollout_fraction == 1, "stalesync.rollout_fraction",
+             f"must be 1 when max_staleness is 0 (groups left over would be stale), "
+             f"got {self.rollout_fraction}")
+
+  def pool_groups(self, num_prompts: int) -> int:
+    """Groups the engine keeps outstanding (queued, in flight, or finished and not yet trained)."""
+    return math.ceil(num_prompts / self.rollout_fraction - 1e-9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,6 +317,7 @@ class ExperimentConfig:
   optim: OptimConfig = OptimConfig()
   warmup: WarmupConfig = WarmupConfig()
   run: RunConfig = RunConfig()
+  stalesync: StaleSyncConfig = StaleSyncConfig()
 
   def __post_init__(self):
     r = self.rollout

@@ -290,3 +290,13 @@ def test_property_every_sample_once_per_consumer(schedule):
         np.testing.assert_array_equal(value, expected_value(field, i, lengths))
   assert queue.stats()["depth"] == 0.0
   assert queue.stats()["evicted"] == len(lengths)
+
+
+def test_peek_reads_sample_fields_without_consuming():
+  q = DistQueue([FieldSpec("tokens", np.int32, True), FieldSpec("group", np.int32, False)], capacity=4)
+  q.register_consumer("train", needs=("tokens", "group"))
+  q.put([0, 1], tokens=[np.array([5, 6]), np.array([7])], group=np.array([3, 3]))
+  np.testing.assert_array_equal(q.peek([1, 0], ("group",))["group"], [3, 3])
+  np.testing.assert_array_equal(q.ready("train"), [0, 1])              # still unread
+  with pytest.raises(ValueError, match="'tokens' is not a declared sample field"):
+    q.peek([0], ("tokens",))

@@ -18,7 +18,7 @@ def cfg(mode, **over):
                  num_kv_heads=2, intermediate_size=64, qkv_bias=True, tie_word_embeddings=False,
                  max_position_embeddings=32),
       mesh=dict(data=-1, fsdp=2, tensor=1),
-      fusion=dict(mode=mode, bucket_bytes=4096),
+      fusion=dict(mode=mode, bucket_bytes=32768),
       task=dict(name="arithmetic", kwargs=dict(max_digits=2), eval_problems=8),
       rollout=dict(num_prompts=4, group_size=2, max_prompt_len=8, max_new_tokens=4, num_slots=8,
                    chunk_steps=2),
@@ -66,6 +66,7 @@ def test_modes_give_the_same_metrics(runs, mode):
   _, summary, rows = runs[mode]
   assert summary["accuracy_before"] == base_summary["accuracy_before"]
   assert summary["accuracy_after"] == base_summary["accuracy_after"]
+  assert [r["step"] for r in rows] == [r["step"] for r in base] == [1, 2, 3, 4]
   for a, b in zip(base, rows):
     for key in ("reward", "accuracy", "response_len_mean", "loss", "grad_norm", "entropy", "kl",
                 "kl_seq"):

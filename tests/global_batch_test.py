@@ -82,3 +82,25 @@ def test_batch_arrays_from_a_queue_read():
   np.testing.assert_array_equal(np.asarray(arrays["behaviour_logp"])[1], [-2.0, -3.0, 0.0])
   np.testing.assert_array_equal(np.asarray(arrays["reward"]), [0.0, 1.0, 0.0, 1.0])
   assert arrays["reward"].sharding.spec == P(("data", "fsdp"))
+
+
+def test_queue_arrays_read_each_group_once_in_the_queue_order():
+  """8 samples over (data 2, fsdp 2, tensor 2): 4 row groups of 2 rows, each read from the queue once."""
+  queue = DistQueue([FieldSpec("tokens", np.int32, True), FieldSpec("reward", np.float32, False)], capacity=8)
+  queue.register_consumer("train", ("tokens", "reward"))
+  rows = [np.arange(1, 2 + i % 3, dtype=np.int32) * 10 + i for i in range(8)]   # lengths 1, 2, 3, 1, ...
+  queue.put(range(8), tokens=rows, reward=np.arange(8, dtype=np.float32))
+  reads = []
+
+  def read(indices):
+    reads.append(tuple(int(i) for i in indices))
+    return queue.read("train", indices)
+
+  order = [7, 6, 5, 4, 3, 2, 1, 0]              # row r of the batch holds sample order[r]
+  arrays = gb.queue_arrays(mesh(), read, order, width=3)
+  assert sorted(reads) == [(1, 0), (3, 2), (5, 4), (7, 6)]
+  np.testing.assert_array_equal(np.asarray(arrays["reward"]), [7, 6, 5, 4, 3, 2, 1, 0])
+  np.testing.assert_array_equal(np.asarray(arrays["tokens"])[0], [17, 27, 0])     # sample 7: length 2
+  np.testing.assert_array_equal(np.asarray(arrays["tokens"])[7], [10, 0, 0])      # sample 0: length 1
+  assert len(queue.ready("train")) == 0
+  assert gb.local_row_slices(NamedSharding(mesh(), P(("data", "fsdp"))), 8) == [(0, 2), (2, 4), (4, 6), (6, 8)]

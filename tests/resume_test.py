@@ -1,5 +1,6 @@
 """Failures and resume: divergence stops cleanly, resume is checked first, corrupt checkpoints fall back,
-and every step is recorded exactly once (also after SIGKILL at a random point of a subprocess run)."""
+and every step is recorded exactly once (also after SIGKILL at a random point of a StaleSync subprocess
+run, whose checkpoints carry the queue and the in-flight samples)."""
 import glob
 import hashlib
 import json
@@ -19,11 +20,13 @@ from rl_fusion_jax import metrics as metrics_lib
 from rl_fusion_jax import timeline as timeline_lib
 from rl_fusion_jax.checkpointing import Checkpointer
 from rl_fusion_jax.errors import ConfigError, DivergenceError, ResumeError
-from rl_fusion_jax.orchestration import loop
+from rl_fusion_jax.orchestration import loop, resume
+from rl_fusion_jax.orchestration.programs import make_placement
 from rl_fusion_jax.testing.experiments import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEYS = ("reward", "loss", "grad_norm", "entropy", "response_len_mean", "accuracy")
+REFERENCE_CFG = {"run.steps": 4, "run.checkpoint_every": 2, "run.eval_every": 2}
 
 
 def snapshot(workdir):
@@ -61,7 +64,7 @@ def stored_arrays_finite(step_dir):
 def reference(tmp_path_factory):
   """An uninterrupted 4-step run with a checkpoint every 2 steps and evaluation every 2 steps."""
   workdir = str(tmp_path_factory.mktemp("reference") / "run")
-  summary = loop.run(tiny(**{"run.steps": 4, "run.checkpoint_every": 2, "run.eval_every": 2}), workdir)
+  summary = loop.run(tiny(**REFERENCE_CFG), workdir)
   return workdir, summary
 
 
@@ -107,7 +110,8 @@ def test_diverging_warmup_stops_too(tmp_path):
 
 def test_skip_policy_counts_skips_and_stops_after_n_in_a_row(tmp_path):
   workdir = str(tmp_path / "run")
-  with pytest.raises(DivergenceError, match=r"2 non-finite updates in a row \(config.run.max_consecutive_skips=2\)"):
+  with pytest.raises(DivergenceError,
+                     match=r"2 non-finite updates in a row \(config.run.max_consecutive_skips=2\)"):
     loop.run(tiny(**{"optim.learning_rate": 1e8, "algo.entropy_coef": 0.01, "run.steps": 20,
                      "run.on_nonfinite": "skip",
                      "run.max_consecutive_skips": 2}), workdir)
@@ -161,7 +165,8 @@ def test_overridden_model_size_is_a_named_shape_error_not_an_orbax_trace(tmp_pat
   workdir = copy_of(one_step, tmp_path)
   before = snapshot(workdir)
   with pytest.raises(ResumeError, match=r"does not fit this config: params/embed/embedding has shape "
-                                        r"\(96, 32\) float32 in the checkpoint, \(96, 64\) float32 in this config"):
+                                        r"\(96, 32\) float32 in the checkpoint, \(96, 64\) float32 in "
+                                        r"this config"):
     loop.run(tiny(**{"run.steps": 2, "model.hidden_size": 64}), workdir,
              resume_overrides=["model"])
   assert snapshot(workdir) == before
@@ -216,18 +221,34 @@ def corrupt(step_dir, how):
       open(path, "wb").write(bytes(data))
 
 
-@pytest.mark.parametrize("how", ["params_deleted", "meta_corrupt", "truncated", "bit_flip"])
-def test_corrupt_latest_checkpoint_falls_back_and_is_moved_aside(tmp_path, reference, how):
+def test_corrupt_latest_checkpoint_falls_back_and_is_moved_aside(tmp_path, reference):
   ref_dir, ref_summary = reference
   workdir = str(tmp_path / "run")
   shutil.copytree(ref_dir, workdir)
-  corrupt(os.path.join(workdir, "checkpoints", "4"), how)
-  summary = loop.run(tiny(**{"run.steps": 4, "run.checkpoint_every": 2, "run.eval_every": 2}), workdir)
+  corrupt(os.path.join(workdir, "checkpoints", "4"), "params_deleted")
+  summary = loop.run(tiny(**REFERENCE_CFG), workdir)
   aside = os.listdir(os.path.join(workdir, "checkpoints_corrupt"))
   assert len([a for a in aside if a.startswith("4.") and not a.endswith(".txt")]) == 1
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4"]
   assert_same_values(step_rows(workdir), step_rows(ref_dir))      # steps 3-4 redone, each once
   assert summary["accuracy_after"] == ref_summary["accuracy_after"]
+
+
+@pytest.mark.parametrize("how,reason", [("meta_corrupt", "meta record unreadable"),
+                                        ("truncated", ""), ("bit_flip", "")])
+def test_each_kind_of_corruption_is_detected_and_the_previous_checkpoint_restores(tmp_path, reference, how,
+                                                                                  reason):
+  """The restore step alone (the full resumed run is the test above): step 4 fails, step 2 restores."""
+  workdir = str(tmp_path / "run")
+  shutil.copytree(reference[0], workdir)
+  corrupt(os.path.join(workdir, "checkpoints", "4"), how)
+  cfg = tiny(**REFERENCE_CFG)
+  prior = resume.inspect(workdir, cfg)
+  restored = resume.restore(prior, loop._targets(cfg, make_placement(cfg)))
+  assert (restored.kind, restored.step) == ("rl", 2)
+  aside = [a for a in os.listdir(os.path.join(workdir, "checkpoints_corrupt")) if a.endswith(".reason.txt")]
+  assert len(aside) == 1 and reason in open(os.path.join(workdir, "checkpoints_corrupt", aside[0])).read()
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2"]
 
 
 def test_no_intact_checkpoint_is_an_error_and_nothing_moves(tmp_path, reference):
@@ -237,8 +258,9 @@ def test_no_intact_checkpoint_is_an_error_and_nothing_moves(tmp_path, reference)
   for step in ("2", "4"):
     corrupt(os.path.join(workdir, "checkpoints", step), "params_deleted")
   before = snapshot(workdir)
-  with pytest.raises(ResumeError, match=r"no checkpoint restores intact(.|\n)*checkpoints/4(.|\n)*checkpoints/2"):
-    loop.run(tiny(**{"run.steps": 4, "run.checkpoint_every": 2, "run.eval_every": 2}), workdir)
+  with pytest.raises(ResumeError,
+                     match=r"no checkpoint restores intact(.|\n)*checkpoints/4(.|\n)*checkpoints/2"):
+    loop.run(tiny(**REFERENCE_CFG), workdir)
   assert snapshot(workdir) == before
 
 
@@ -248,7 +270,7 @@ def test_keep_checkpoints_holds_after_a_crash(tmp_path, reference):
   # As if killed between a save and its clean-up: three checkpoints with keep_checkpoints=2.
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4"]
   shutil.copytree(os.path.join(workdir, "checkpoints", "2"), os.path.join(workdir, "checkpoints", "1"))
-  loop.run(tiny(**{"run.steps": 4, "run.checkpoint_every": 2, "run.eval_every": 2}), workdir)
+  loop.run(tiny(**REFERENCE_CFG), workdir)
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4"]
 
 
@@ -270,7 +292,7 @@ def test_crash_mid_run_then_resume_records_every_step_once(tmp_path, monkeypatch
       raise Crash()
     return real(setup, programs, state, ref, step, *args)
 
-  cfg = tiny(**{"run.steps": 4, "run.checkpoint_every": 2, "run.eval_every": 2})
+  cfg = tiny(**REFERENCE_CFG)
   monkeypatch.setattr(loop.phases, "rl_step", crashing)
   with pytest.raises(Crash):
     loop.run(cfg, workdir)
@@ -326,7 +348,10 @@ BINARY_FLAGS = ["--config.model.hidden_size=32", "--config.model.num_layers=2", 
                 "--config.task.eval_problems=16", "--config.rollout.num_prompts=4",
                 "--config.rollout.group_size=4", "--config.warmup.steps=6", "--config.warmup.batch_size=16",
                 "--config.warmup.checkpoint_every=2", "--config.run.steps=6", "--config.run.checkpoint_every=2",
-                "--config.run.eval_every=3", "--config.run.progress_every_s=0"]
+                "--config.run.eval_every=3", "--config.run.progress_every_s=0",
+                # StaleSync (s = 1, f = 0.5): the checkpoints carry the queue and in-flight samples.
+                "--config.stalesync.enabled=True", "--config.stalesync.max_staleness=1",
+                "--config.stalesync.rollout_fraction=0.5", "--config.rollout.num_slots=32"]
 
 
 def _binary(workdir):
@@ -368,5 +393,13 @@ def test_sigkill_at_a_random_point_then_resume_equals_uninterrupted(tmp_path):
   rows = metrics_lib.read_metrics(killed)
   assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]
   assert_same_values(step_rows(killed), step_rows(straight))
+  for a, b in zip(step_rows(killed), step_rows(straight)):
+    for key in ("stalesync/generated_groups_total", "stalesync/trained_groups_total", "data_position",
+                "stalesync/staleness_mean"):
+      assert a[key] == b[key], (a["step"], key)
+  last = step_rows(killed)[-1]      # nothing lost or duplicated: every generated group is accounted for
+  assert last["stalesync/generated_groups_total"] == (last["stalesync/trained_groups_total"]
+                                                      + last["stalesync/discarded_groups_total"]
+                                                      + last["stalesync/waiting_samples_after"] / 4)
   assert json.load(open(os.path.join(killed, "summary.json"))) == \
       json.load(open(os.path.join(straight, "summary.json")))

@@ -9,7 +9,8 @@ Expected result: the final line prints greedy accuracy on 128 held-out problems 
 warm-up) and after RL; RL raises it (see README for the recorded figures).
 
 Ablations in this file: ``--config=...arithmetic.py:drgrpo`` (Dr. GRPO advantages and aggregation),
-``:kl`` (k3 KL penalty against the warm-up policy).
+``:kl`` (k3 KL penalty against the warm-up policy), ``:stalesync`` (StaleSync with max_staleness 1 and
+rollout_fraction 0.5: 32 groups outstanding, 16 trained per update, decoupled-PPO off-policy correction).
 """
 import ml_collections
 
@@ -37,7 +38,8 @@ def get_config(arg: str = ""):
       top_p=1.0, num_slots=0, chunk_steps=16))
   c.algo = ml_collections.ConfigDict(dict(
       advantage="grpo", policy_loss="ppo_clip", clip_low=0.2, clip_high=0.2, dual_clip=None,
-      kl_coef=0.0, kl_estimator="k3", kl_mode="loss", entropy_coef=0.0, aggregation="token-mean"))
+      kl_coef=0.0, kl_estimator="k3", kl_mode="loss", entropy_coef=0.0, aggregation="token-mean",
+      is_cap=5.0))
   c.optim = ml_collections.ConfigDict(dict(
       learning_rate=1e-4, b1=0.9, b2=0.99, weight_decay=0.0, grad_clip=1.0, warmup_steps=0,
       micro_batches=1))
@@ -46,11 +48,16 @@ def get_config(arg: str = ""):
   c.run = ml_collections.ConfigDict(dict(
       steps=300, seed=0, checkpoint_every=100, keep_checkpoints=2, progress_every_s=5.0, eval_every=100,
       on_nonfinite="stop", max_consecutive_skips=3))
+  c.stalesync = ml_collections.ConfigDict(dict(enabled=False, max_staleness=0, rollout_fraction=1.0))
   if arg == "drgrpo":
     c.algo.advantage = "dr_grpo"
     c.algo.aggregation = "seq-mean-token-sum-norm"
   elif arg == "kl":
     c.algo.kl_coef = 0.05
+  elif arg == "stalesync":
+    c.stalesync.enabled, c.stalesync.max_staleness, c.stalesync.rollout_fraction = True, 1, 0.5
+    c.rollout.num_slots = 256          # every outstanding sample has a slot, so long tails stay in flight
+    c.algo.policy_loss = "decoupled_ppo"
   elif arg:
-    raise ValueError(f"unknown variant {arg!r} of arithmetic.py; known: drgrpo, kl")
+    raise ValueError(f"unknown variant {arg!r} of arithmetic.py; known: drgrpo, kl, stalesync")
   return c

@@ -1,7 +1,7 @@
 """Host-side data: problems -> fixed-shape token arrays, and arrays -> global device batches.
 
-Everything here is numpy on the host; device arrays are built with ``make_array_from_process_local_data``
-so each process contributes only its own rows once the loop runs on several hosts.
+Everything here is numpy on the host; ``to_global`` builds device arrays shard by shard from a host
+batch that every process holds whole (per-process reads from the queue: ``queue/global_batch.py``).
 """
 from __future__ import annotations
 
@@ -60,8 +60,10 @@ def decode_responses(tokenizer: Tokenizer, tokens_bt: np.ndarray, prompt_len_b: 
 def to_global(mesh: Mesh, host: np.ndarray) -> jax.Array:
   """A host batch -> a global array split over the batch axes (dimension 0).
 
-  Built shard by shard: each device receives only its own rows (never a replicated copy of the batch),
-  and with several processes each one fills only the shards of its own devices.
+  Built shard by shard: each device receives only its own rows (never a replicated copy of the batch).
+  The caller holds the WHOLE host batch, though: with several processes each one needs the full ``host``
+  and copies only its devices' rows. Reading only a process's own rows from the queue is
+  ``queue/global_batch.py`` (one read per row slice).
   """
   host = np.asarray(host)
   sharding = batch_sharding(mesh, host.ndim)

@@ -25,7 +25,7 @@ from rl_fusion_jax import models
 from rl_fusion_jax.checkpointing import abstract_like
 from rl_fusion_jax.config import ExperimentConfig
 from rl_fusion_jax.errors import ConfigError
-from rl_fusion_jax.orchestration import phases, resume
+from rl_fusion_jax.orchestration import phases, resume, stalesync
 from rl_fusion_jax.orchestration.guard import DivergenceGuard
 from rl_fusion_jax.orchestration.programs import Placement, Programs, make_placement
 from rl_fusion_jax.orchestration.setup import Setup, validate, write_json_atomic
@@ -140,6 +140,8 @@ def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ck
   meta = restored.meta if restored is not None and restored.kind == "rl" else {}
   evaluate = _Evaluator(setup, programs, timeline, meta.get("eval_rounds", 0))
   guard = DivergenceGuard(cfg.run, "RL", **meta.get("guard", {}))
+  host = restored.host if meta else None
+  schedule = stalesync.from_state(setup, programs, host) if cfg.stalesync.enabled else None
 
   # 4. Resume the RL loop, or warm up (continuing a warm-up checkpoint) and evaluate the start.
   if meta:
@@ -159,7 +161,8 @@ def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ck
       rl_ckpt.save(step, _state_items(state, ref_now), {
           "kind": "rl", "step": step, "seed": cfg.run.seed, "config": resume.plain_config(cfg),
           "eval_before": before, "last_eval": last_eval, "data_position": data_position,
-          "eval_rounds": evaluate.rounds, "guard": guard.state(), "timeline_time": timeline.now()})
+          "eval_rounds": evaluate.rounds, "guard": guard.state(), "timeline_time": timeline.now()},
+          host=schedule.state_dict() if schedule is not None else None)
       if ref_now is not None and ref_now is not ref_resting:
         rl_ckpt.wait()   # a fetched device copy of a host-resident reference is released after the save
         d.release_aux(ref_now)
@@ -170,9 +173,13 @@ def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ck
   # 5. The RL loop.
   progress = metrics_lib.Progress(cfg.run.steps, start, cfg.run.progress_every_s)
   for step in range(start, cfg.run.steps):
-    state, scalars = phases.rl_step(setup, programs, state, ref_resting, step, timeline, data_position)
+    if schedule is None:
+      state, scalars = phases.rl_step(setup, programs, state, ref_resting, step, timeline, data_position)
+      data_position += cfg.rollout.num_prompts
+    else:
+      state, scalars = schedule.step(state, ref_resting, step, timeline)
+      data_position = schedule.data_position
     scalars |= guard.scalars(guard.check(step + 1, scalars))
-    data_position += cfg.rollout.num_prompts
     if step + 1 == cfg.run.steps or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0):
       state, out = evaluate(state, step + 1)
       scalars |= {f"eval/{k}": v for k, v in out.items()}

@@ -80,14 +80,14 @@ def warmup(setup: Setup, programs: Programs, params, *, state=None, save=None, g
   return state.params
 
 
-def _requests(tokenizer, problems, width: int, group_size: int, first_id: int, first_group: int):
+def requests(tokenizer, problems, width: int, group_size: int, first_id: int, first_group: int):
   prompts, lens = data.encode_prompts(tokenizer, problems, width)
   return [Request(sample_id=first_id + i * group_size + g, group_id=first_group + i,
                   prompt=prompts[i, :lens[i]])
           for i in range(len(problems)) for g in range(group_size)]
 
 
-def _by_sample_id(rollout: Rollout) -> Rollout:
+def by_sample_id(rollout: Rollout) -> Rollout:
   order = np.argsort(rollout.sample_id_b, kind="stable")
   return jax.tree.map(lambda x: x[order], rollout)
 
@@ -97,9 +97,9 @@ def evaluate(setup: Setup, programs: Programs, gen_params, round_index: int) -> 
   n = setup.cfg.task.eval_problems
   problems = [setup.eval_task.problem(i) for i in range(n)]
   engine = programs.eval_engine
-  engine.add(_requests(setup.tokenizer, problems, setup.cfg.rollout.max_prompt_len, 1,
+  engine.add(requests(setup.tokenizer, problems, setup.cfg.rollout.max_prompt_len, 1,
                        round_index * n, round_index * n))
-  rollout = _by_sample_id(engine.run(gen_params, 0).rollout)
+  rollout = by_sample_id(engine.run(gen_params, 0).rollout)
   texts = data.decode_responses(setup.tokenizer, rollout.tokens_bt, rollout.prompt_len_b,
                                 rollout.response_len_b)
   rewards, fmt, correct = score_batch(setup.eval_task, problems, texts)
@@ -134,32 +134,34 @@ def kv_cache_bytes(cfg) -> int:
   return 2 * m.num_layers * r.slots * r.seq_len * m.num_kv_heads * m.head_dim * itemsize
 
 
-def rl_step(setup: Setup, programs: Programs, state, ref_resting, step: int, timeline: Timeline,
-            data_position: int | None = None):
-  """Switch -> generate -> switch -> reward -> reference -> advantages -> update -> publish.
-
-  ``data_position``: index of the step's first problem (default ``step * num_prompts``); sample and
-  group ids derive from it, so a run resumed with another batch size never draws a problem twice.
-  """
-  cfg, d, r = setup.cfg, programs.deployment, setup.cfg.rollout
-  t_start = time.perf_counter()
-  first = step * r.num_prompts if data_position is None else data_position
-  problems = [setup.train_task.problem(first + i) for i in range(r.num_prompts)]
-  programs.engine.add(_requests(setup.tokenizer, problems, r.max_prompt_len, r.group_size,
-                                first * r.group_size, first))
-  metrics = {}
+def generation_phase(programs: Programs, state, step: int, timeline: Timeline, run_engine):
+  """Switch to the generation layout, ``run_engine(gen_params)``, switch back -> (state, result, metrics)."""
+  d, metrics = programs.deployment, {}
   with timeline.phase("switch", group=d.rollout_group, step=step):
     state, gen_params, m = d.to_generation(state)
     metrics |= m
   with timeline.phase("generate", group=d.rollout_group, step=step):
     t0 = time.perf_counter()
-    result = programs.engine.run(gen_params, step)
+    result = run_engine(gen_params)
     generate_s = time.perf_counter() - t0
   with timeline.phase("switch", group=d.train_group, step=step):
     state, m = d.to_training(state)
     metrics |= m
-  rollout = _by_sample_id(result.rollout)
+  tokens = float(result.stats.get("generated_tokens", 0))
+  metrics |= {"generate_s": generate_s, "generate_tokens_per_s": tokens / generate_s,
+              "engine/generated_tokens": tokens,
+              "engine/slot_utilization": float(result.stats.get("slot_utilization", 0.0)),
+              "engine/kv_cache_bytes": float(kv_cache_bytes(programs.cfg)),
+              "engine/decode_steps": float(result.stats.get("decode_steps", 0))}
+  return state, result, metrics
+
+
+def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int, timeline: Timeline,
+                problems, rollout: Rollout):
+  """Reward -> reference -> advantages -> update -> publish on a host batch sorted by sample id."""
+  cfg, d = setup.cfg, programs.deployment
   device_rollout = jax.tree.map(lambda x: data.to_global(programs.mesh, x), rollout)
+  metrics = {}
   with timeline.phase("reward", group=d.train_group, step=step):
     t0 = time.perf_counter()
     rewards, m = _rewards(setup, programs, problems, rollout, device_rollout.tokens_bt, timeline, step)
@@ -182,17 +184,34 @@ def rl_step(setup: Setup, programs: Programs, state, ref_resting, step: int, tim
     train_s = time.perf_counter() - t0
   with timeline.phase("publish", group=d.train_group, step=step):
     metrics |= d.publish(state.params)
-  step_s = time.perf_counter() - t_start
   resp = rollout.response_len_b
+  real_tokens = float((rollout.prompt_len_b + resp).sum())
   metrics |= {k: float(v) for k, v in {**train_metrics, **batch_stats}.items()}
+  metrics["is_weight_std"] = float(np.sqrt(max(metrics["is_weight_sq"] - metrics["is_weight"] ** 2, 0.0)))
   metrics |= {
       "response_len_mean": float(resp.mean()), "response_len_max": float(resp.max()),
       "truncated_frac": float(1 - rollout.finished_b.mean()),
-      "generate_s": generate_s, "reward_s": reward_s, "ref_s": ref_s, "train_s": train_s,
-      "step_s": step_s, "generate_tokens_per_s": float(resp.sum()) / generate_s,
-      "train_tokens_per_s": float(r.batch_size * r.seq_len) / train_s,
-      "policy_version": float(step + 1),
-      "engine/slot_utilization": float(result.stats.get("slot_utilization", 0.0)),
-      "engine/kv_cache_bytes": float(kv_cache_bytes(cfg)),
-      "engine/decode_steps": float(result.stats.get("decode_steps", 0))}
+      "reward_s": reward_s, "ref_s": ref_s, "train_s": train_s,
+      "train_tokens": real_tokens, "train_tokens_per_s": real_tokens / train_s,
+      "policy_version": float(step + 1)}
   return state, metrics
+
+
+def rl_step(setup: Setup, programs: Programs, state, ref_resting, step: int, timeline: Timeline,
+            data_position: int | None = None):
+  """The synchronous step: switch -> generate every sample -> switch -> train_phase.
+
+  ``data_position``: index of the step's first problem (default ``step * num_prompts``); sample and
+  group ids derive from it, so a run resumed with another batch size never draws a problem twice.
+  """
+  r = setup.cfg.rollout
+  t_start = time.perf_counter()
+  first = step * r.num_prompts if data_position is None else data_position
+  problems = [setup.train_task.problem(first + i) for i in range(r.num_prompts)]
+  programs.engine.add(requests(setup.tokenizer, problems, r.max_prompt_len, r.group_size,
+                               first * r.group_size, first))
+  state, result, metrics = generation_phase(programs, state, step, timeline,
+                                            lambda params: programs.engine.run(params, step))
+  state, m = train_phase(setup, programs, state, ref_resting, step, timeline, problems,
+                         by_sample_id(result.rollout))
+  return state, metrics | m | {"step_s": time.perf_counter() - t_start}

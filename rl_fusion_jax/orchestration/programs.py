@@ -12,11 +12,10 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from rl_fusion_jax import models
-from rl_fusion_jax.algorithms import registry
+from rl_fusion_jax.algorithms import batch as algo_batch
 from rl_fusion_jax.config import ExperimentConfig
 from rl_fusion_jax.fusion.deployment import make_deployment
 from rl_fusion_jax.models import reward_model
@@ -28,25 +27,15 @@ from rl_fusion_jax.sharding import mesh as mesh_lib
 from rl_fusion_jax.sharding.rules import param_shardings
 from rl_fusion_jax.train import state as state_lib
 from rl_fusion_jax.train import step as step_lib
-from rl_fusion_jax.types import Rollout, TrainBatch
+from rl_fusion_jax.types import Rollout
 
 
 def assemble_batch(cfg: ExperimentConfig, rollout: Rollout, rewards_b, ref_logp_bt):
-  """Rollout + rewards (+ reference log-probs) -> TrainBatch, with KL-in-reward and advantages."""
-  mask_bt = rollout.response_mask()
-  algo, stats = cfg.algo, {}
-  if algo.needs_reference:
-    kl_bt = registry.get_kl_estimator(algo.kl_estimator)(rollout.logp_bt, ref_logp_bt)
-    kl_b = jnp.sum(kl_bt * mask_bt, axis=1)
-    stats["kl_seq"] = jnp.mean(kl_b)
-    if algo.kl_mode == "reward":
-      rewards_b = rewards_b - algo.kl_coef * kl_b
-  adv_b = registry.get_advantage_fn(algo.advantage)(rewards_b, cfg.rollout.group_size)
-  stats["advantage_abs_mean"] = jnp.mean(jnp.abs(adv_b))
-  batch = TrainBatch(tokens_bt=rollout.tokens_bt, mask_bt=mask_bt, advantages_b=adv_b,
-                     behaviour_logp_bt=rollout.logp_bt, ref_logp_bt=ref_logp_bt,
-                     version_bt=rollout.version_bt)
-  return batch, stats
+  """Rollout + rewards (+ reference log-probs) -> TrainBatch (the advantage stage, algorithms/batch.py)."""
+  a = cfg.algo
+  return algo_batch.train_batch(rollout, rewards_b, ref_logp_bt, advantage=a.advantage,
+                                group_size=cfg.rollout.group_size, kl_coef=a.kl_coef,
+                                kl_estimator=a.kl_estimator, kl_mode=a.kl_mode)
 
 
 @dataclasses.dataclass

@@ -184,6 +184,7 @@ class Restored:
   step: int
   items: dict[str, Any]
   meta: dict[str, Any]
+  host: Any = None            # host state saved with it (StaleSync: queue, in-flight samples), or None
 
 
 def restore(prior: Prior, targets_for) -> Restored | None:
@@ -197,6 +198,7 @@ def restore(prior: Prior, targets_for) -> Restored | None:
     try:
       meta = ckpt.read_meta(step)
       items, meta = ckpt.restore(step, targets_for(kind, meta))
+      host = ckpt.restore_host(step, meta)
     except CheckpointError as e:
       if _is_config_problem(e):
         raise ResumeError(f"--workdir={prior.workdir}: checkpoint {e.path} does not fit this config: "
@@ -208,7 +210,7 @@ def restore(prior: Prior, targets_for) -> Restored | None:
       dest = bad_ckpt.move_aside(bad_step, e.reason)
       logging.warning("resume: moved the broken checkpoint %s aside to %s", e.path, dest)
     logging.info("resumed from %s checkpoint %s", kind, ckpt.step_path(step))
-    return Restored(kind, step, items, meta)
+    return Restored(kind, step, items, meta, host)
   if failures:
     reasons = "\n".join(f"  {e.path}: {e.reason}" for _, _, e in failures)
     raise ResumeError(f"--workdir={prior.workdir}: no checkpoint restores intact (nothing was moved or "

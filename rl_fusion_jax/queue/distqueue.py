@@ -274,6 +274,21 @@ class DistQueue:
       self._consume(consumer, indices)
       return batch
 
+  def peek(self, indices, fields: Sequence[str]) -> dict[str, np.ndarray]:
+    """Sample (scalar) fields of live samples, for scheduling decisions; consumes and counts nothing."""
+    with self._cond:
+      out = {}
+      for name in fields:
+        spec = self.fields.get(name)
+        if spec is None or spec.per_token:
+          raise ValueError(f"peek: {name!r} is not a declared sample field")
+        column = self._cols[name]
+        missing = [int(i) for i in indices if int(i) not in column]
+        if missing:
+          raise NotReady(f"peek: samples {missing[:5]} have no field {name!r}")
+        out[name] = np.array([column[int(i)] for i in indices], spec.dtype)
+      return out
+
   def _check_consumer(self, consumer: str) -> None:
     if consumer not in self._needs:
       raise KeyError(f"consumer {consumer!r} is not registered (registered: {sorted(self._needs)})")

@@ -4,7 +4,8 @@
 along non-batch axes (e.g. ``tensor``) ask for the same rows. ``global_batch`` caches per row slice, so a
 row reader (a DistQueue batch being unpacked, a file, ...) serves each group's rows once, and only the
 rows of this process's devices (hierarchical transfer). Token rows are padded here, per shard, from the
-packed form: the host never builds the full padded [B, T] batch.
+packed form: the host never builds the full padded [B, T] batch. ``queue_arrays`` goes one step further
+for several processes: it reads from the queue only this process's rows, one read per local group.
 
 This module must never replicate a host batch onto every device, read a row slice twice in one build, or
 read rows no local device holds.
@@ -21,6 +22,7 @@ from rl_fusion_jax.queue.distqueue import Batch, Packed, unpack
 from rl_fusion_jax.sharding.mesh import batch_sharding, batch_shards
 
 RowReader = Callable[[int, int], np.ndarray]  # (row_start, row_stop) -> rows [stop - start, ...]
+BatchReader = Callable[[np.ndarray], Batch]   # sample indices -> their fields (e.g. DistQueue.read)
 
 
 def global_batch(sharding: Sharding, shape: Sequence[int], dtype, read_rows: RowReader) -> jax.Array:
@@ -71,4 +73,46 @@ def batch_arrays(mesh: Mesh, batch: Batch, width: int,
   pads = pads or {}
   out = {name: padded_tokens(mesh, p, width, pads.get(name, 0)) for name, p in batch.tokens.items()}
   out.update({name: sample_values(mesh, v) for name, v in batch.sample.items()})
+  return out
+
+
+def local_row_slices(sharding: Sharding, rows: int) -> list[tuple[int, int]]:
+  """The distinct row ranges [start, stop) of a 1-D ``sharding``'s devices in this process, ascending:
+  one per local data-parallel group (devices that differ only along other axes share one)."""
+  index_map = sharding.addressable_devices_indices_map((rows,))
+  return sorted({index[0].indices(rows)[:2] for index in index_map.values()})
+
+
+def queue_arrays(mesh: Mesh, read: BatchReader, indices_n, width: int,
+                 pads: Mapping[str, float] | None = None) -> dict[str, jax.Array]:
+  """Global arrays of the samples ``indices_n`` (row i holds sample ``indices_n[i]``) that read only this
+  process's rows: one ``read`` per local data-parallel group, every field at once. Fields come out as in
+  ``batch_arrays``. Each process of a multi-process run calls it; together they read each row once."""
+  indices_n = np.asarray(indices_n, np.int64)
+  _check_divides(mesh, len(indices_n))
+  slices = local_row_slices(batch_sharding(mesh, 1), len(indices_n))
+  if not slices:
+    raise ValueError("queue_arrays: no device of this process is in the mesh")
+  parts = {(a, b): _checked_read(read, indices_n[a:b]) for a, b in slices}
+  return _assemble(mesh, parts, len(indices_n), width, pads or {})
+
+
+def _checked_read(read: BatchReader, indices: np.ndarray) -> Batch:
+  batch = read(indices)
+  if not np.array_equal(batch.indices, indices):
+    raise ValueError(f"read returned samples {batch.indices.tolist()}; asked for {indices.tolist()}")
+  return batch
+
+
+def _assemble(mesh: Mesh, parts: Mapping[tuple[int, int], Batch], rows: int, width: int,
+              pads: Mapping[str, float]) -> dict[str, jax.Array]:
+  """One global array per field from the per-slice reads (each device takes its slice's rows)."""
+  some = next(iter(parts.values()))
+  out = {}
+  for name, packed in some.tokens.items():
+    read = lambda a, b, name=name: unpack(parts[a, b].tokens[name], width, pads.get(name, 0))
+    out[name] = global_batch(batch_sharding(mesh, 2), (rows, width), packed.flat.dtype, read)
+  for name, values in some.sample.items():
+    read = lambda a, b, name=name: parts[a, b].sample[name]
+    out[name] = global_batch(batch_sharding(mesh, 1), (rows,), values.dtype, read)
   return out

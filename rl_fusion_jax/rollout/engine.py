@@ -3,8 +3,13 @@
 ``Engine.add(requests)`` queues prompts; ``Engine.run(params, version, target_...)`` generates until a
 target number of samples (or of complete GRPO groups) has finished and returns exactly those, keeping
 everything else: queued prompts, samples still in flight (their tokens, behaviour log-probs and per-token
-versions) and samples that finished beyond the target. The device programs live in ``slots.py``; this
-module only decides which request goes to which slot, once per chunk of decode steps.
+versions) and samples that finished beyond the target. ``finish_groups`` (with ``target_groups``) also
+waits for named groups and then returns every complete group: the hook of a bounded-staleness scheduler,
+which reads ``group_min_versions()`` to find the groups about to become too stale. ``state_dict()`` /
+``load_state_dict()`` carry all of this host state (not the KV cache) across a restart.
+
+The device programs live in ``slots.py``; this module only decides which request goes to which slot, once
+per chunk of decode steps.
 
 One run is a loop of: collect the slots that finished -> stop if the target is met -> refill free slots
 from the queue (``refill='continuous'``: any free slot; ``'static'``: only when every slot is free, the
@@ -12,7 +17,8 @@ batch-at-a-time baseline) -> decode a chunk of at most ``chunk_steps`` steps -> 
 (the one device-to-host transfer per chunk; nothing is read back per token). With ``early_exit`` (the
 default) a continuous chunk also ends as soon as ``prefill_rows`` slots (or as many as there are queued
 prompts) finished, so free slots wait for at most one prefill call's worth of company, not for K steps;
-and a run with ``target_samples`` ends its last chunk as soon as the target is met.
+and a run with ``target_samples`` ends its last chunk as soon as the target is met (with ``finish_groups``:
+as soon as enough in-flight samples finished that it could be met, a lower bound counted on the host).
 
 Determinism: the engine's base key comes from ``seed`` and token t of a sample is drawn with key
 (seed, sample id, t), always from the logits of one decode step. Under fixed weights a sample's tokens
@@ -51,6 +57,7 @@ from rl_fusion_jax.types import Rollout
 REFILL_POLICIES = ("continuous", "static")
 _MAX_ID = 2**31 - 1
 _PREFILLS_PER_BLOCK = 8   # bounded dispatch queue (multi-device CPU programs deadlock beyond ~32)
+_STATE_FORMAT = 1
 
 
 def _positive_int(value) -> bool:
@@ -115,6 +122,14 @@ class RunResult:
   rollout: Rollout
   group_id_b: np.ndarray
   stats: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+  """What ends a run: ``n`` finished samples, or ``n`` complete groups and every group in ``finish``."""
+  kind: str                               # "samples" or "groups"
+  n: int
+  finish: frozenset[int] | None = None    # groups only; when set, every complete group is returned
 
 
 @dataclasses.dataclass
@@ -199,18 +214,48 @@ class Engine:
     """Device bytes of KV cache held now (0 between runs unless ``keep_cache``)."""
     return 0 if self._cache is None else sum(x.nbytes for x in self._cache.values())
 
+  def group_ids(self) -> list[int]:
+    """Every group with a sample held here (queued, in flight, or finished and unreturned), ascending."""
+    return sorted({g for g, _ in self._held_versions()})
+
+  def group_min_versions(self) -> dict[int, int | None]:
+    """Per held group, the oldest policy version among its held samples' generated tokens (None: none yet).
+
+    As of the end of the last run, ``add`` or ``load_state_dict`` (read from the host copy of the slot
+    state; no device transfer).
+    """
+    out: dict[int, int | None] = {}
+    for g, v in self._held_versions():
+      old = out.get(g)
+      out[g] = v if old is None else old if v is None else min(old, v)
+    return dict(sorted(out.items()))
+
+  def _held_versions(self):
+    """(group id, oldest version of its generated tokens or None) for every sample held here."""
+    for r in self._queue:
+      yield r.group_id, None
+    host = self._host
+    for s, r in enumerate(self._occupant):
+      if r is not None:
+        yield r.group_id, _min_version(host.version_st[s], host.prompt_len_s[s], host.response_len_s[s])
+    for f in self._finished:
+      yield f.group_id, _min_version(f.row["version_st"], f.row["prompt_len_s"], f.row["response_len_s"])
+
   # -- run -------------------------------------------------------------------------------------------
 
   def run(self, params, policy_version: int, *, target_samples: int | None = None,
-          target_groups: int | None = None) -> RunResult:
+          target_groups: int | None = None, finish_groups: Iterable[int] | None = None) -> RunResult:
     """Generates until the target is met (or nothing is left); returns exactly the target's samples.
 
     ``target_samples``: the first that many finished samples, in completion order. ``target_groups``:
     that many groups whose ``group_size`` samples have all finished (groups split by an earlier
-    ``target_samples`` call never complete here). Neither: every finished sample once queue and slots
-    are empty. Fewer come back only when nothing is left to generate.
+    ``target_samples`` call never complete here), in completion order. ``finish_groups`` (only with
+    ``target_groups``): the run also waits until each of these groups is complete, then returns every
+    complete group, not only ``target_groups`` of them; each must be held by the engine and able to
+    complete. Neither target: every finished sample once queue and slots are empty. Fewer come back
+    only when nothing is left to generate.
     """
-    target = self._check_target(target_samples, target_groups)
+    target = self._check_target(target_samples, target_groups, finish_groups)
     t0, stats = time.perf_counter(), collections.Counter()
     version = jax.device_put(jnp.asarray(policy_version, jnp.int32), self.programs.replicated)
     with jax.transfer_guard_device_to_host("disallow"):   # explicit fetches only: one per chunk
@@ -234,15 +279,37 @@ class Engine:
     stats["slot_utilization"] = stats["generated_tokens"] / max(1, stats["decode_steps"] * self.cfg.num_slots)
     return RunResult(rollout=result[0], group_id_b=result[1], stats=dict(stats))
 
-  def _check_target(self, target_samples, target_groups):
+  def _check_target(self, target_samples, target_groups, finish_groups) -> _Target | None:
     if target_samples is not None and target_groups is not None:
       raise ValueError("run: give at most one of target_samples and target_groups")
     for name, value in (("target_samples", target_samples), ("target_groups", target_groups)):
       if value is not None and not _positive_int(value):
         raise ValueError(f"run: {name} must be None or a positive int, got {value!r}")
+    if finish_groups is not None and target_groups is None:
+      raise ValueError("run: finish_groups needs target_groups")
     if target_samples is not None:
-      return ("samples", int(target_samples))
-    return ("groups", int(target_groups)) if target_groups is not None else None
+      return _Target("samples", int(target_samples))
+    if target_groups is None:
+      return None
+    finish = None if finish_groups is None else self._check_finish(finish_groups)
+    return _Target("groups", int(target_groups), finish)
+
+  def _check_finish(self, finish_groups) -> frozenset[int]:
+    """``finish_groups`` as a set of group ids that the engine holds and that can still complete."""
+    finish = list(finish_groups)
+    if any(isinstance(g, bool) or not isinstance(g, (int, np.integer)) for g in finish):
+      raise ValueError(f"run: finish_groups must be group ids (ints), got {finish!r}")
+    finish = frozenset(int(g) for g in finish)
+    unknown = sorted(finish - set(self.group_ids()))
+    if unknown:
+      raise ValueError(f"run: finish_groups {unknown} unknown to the engine (not queued, in flight or "
+                       "finished and unreturned)")
+    size = self.cfg.group_size
+    never = sorted(g for g in finish if self._group_added[g] < size or self._group_returned[g])
+    if never:
+      raise ValueError(f"run: finish_groups {never} can never complete (fewer than group_size={size} "
+                       "samples added, or some already returned)")
+    return finish
 
   def _complete_groups(self) -> list[int]:
     """Groups whose samples have all finished and none been returned, in order of completion."""
@@ -253,20 +320,23 @@ class Engine:
     done = [g for g, n in count.items() if n == self.cfg.group_size]
     return sorted(done, key=lambda g: (last[g], g))
 
-  def _target_met(self, target) -> bool:
+  def _target_met(self, target: _Target | None) -> bool:
     if target is None:
       return False
-    kind, n = target
-    return (len(self._finished) if kind == "samples" else len(self._complete_groups())) >= n
+    if target.kind == "samples":
+      return len(self._finished) >= target.n
+    done = self._complete_groups()
+    return len(done) >= target.n and (target.finish is None or target.finish <= set(done))
 
-  def _take(self, target) -> tuple[Rollout, np.ndarray]:
+  def _take(self, target: _Target | None) -> tuple[Rollout, np.ndarray]:
     self._finished.sort(key=lambda f: f.order)
     if target is None:
       taken, self._finished = self._finished, []
-    elif target[0] == "samples":
-      taken, self._finished = self._finished[:target[1]], self._finished[target[1]:]
+    elif target.kind == "samples":
+      taken, self._finished = self._finished[:target.n], self._finished[target.n:]
     else:
-      groups = self._complete_groups()[:target[1]]
+      groups = self._complete_groups()
+      groups = groups if target.finish is not None else groups[:target.n]
       rank = {g: i for i, g in enumerate(groups)}
       taken = sorted((f for f in self._finished if f.group_id in rank),
                      key=lambda f: (rank[f.group_id], f.row["sample_id_s"]))
@@ -285,6 +355,86 @@ class Engine:
       self._group_returned[f.group_id] += 1
       if self._group_returned[f.group_id] == self.cfg.group_size:
         del self._group_returned[f.group_id], self._group_added[f.group_id]
+
+  # -- checkpointing --------------------------------------------------------------------------------
+
+  def state_dict(self) -> dict:
+    """Everything ``run`` continues from, as numpy arrays and Python scalars (no device arrays).
+
+    Queued requests, in-flight slot rows (tokens, behaviour log-probs, versions, lengths; not the KV
+    cache), finished samples not yet returned with their completion order, the group counters, the
+    chunk counter, and the config fields that change what is generated. Flat with string keys, so
+    ``np.savez(path, **state)`` stores it as is.
+    """
+    slot_f = [s for s, r in enumerate(self._occupant) if r is not None]
+    done = sorted(self._finished, key=lambda f: f.order)
+    state = {"format": _STATE_FORMAT, "chunks": self._chunks,
+             **{f"config.{k}": v for k, v in _fingerprint(self.cfg).items()},
+             **_queue_arrays(self._queue, self.cfg.spec.max_prompt_len),
+             "flight.slot": np.asarray(slot_f, np.int32),
+             "flight.group_id": np.asarray([self._occupant[s].group_id for s in slot_f], np.int32),
+             "done.group_id": np.asarray([f.group_id for f in done], np.int32),
+             "done.chunk": np.asarray([f.order[0] for f in done], np.int64)}
+    for name in _SLOT_FIELDS:
+      state[f"flight.{name}"] = np.asarray(getattr(self._host, name))[slot_f]
+    for name in _ROW_FIELDS:
+      template = np.asarray(getattr(self._host, name))[:0]
+      state[f"done.{name}"] = np.stack([f.row[name] for f in done]) if done else template
+    for name, counter in (("added", self._group_added), ("returned", self._group_returned)):
+      state[f"groups.{name}"] = np.asarray(sorted(counter.items()), np.int64).reshape(-1, 2)
+    return state
+
+  def load_state_dict(self, state: dict) -> None:
+    """Restores ``state_dict()`` into this engine, which must hold nothing yet.
+
+    In-flight samples go back into slots and continue through the re-prefill path at the next run
+    (their KV is recomputed under that run's weights). Fields that change what is generated (seed,
+    group_size, lengths, EOS, sampling, vocabulary) must match this engine's config; scheduling fields
+    (num_slots, chunk_steps, refill, ...) may differ, as long as the in-flight samples fit the slots.
+    With ``keep_cache`` an uninterrupted engine would continue on its kept (stale) KV instead, so only
+    the default re-prefill path continues exactly as if nothing had been restored.
+    """
+    self._check_state(state)
+    self._queue = collections.deque(_requests(state, "queue.", "prompt_qp"))
+    self._restore_slots(state)
+    self._finished = [
+        _Finished((int(chunk), int(row["sample_id_s"])), int(g), row)
+        for chunk, g, row in zip(state["done.chunk"], state["done.group_id"], _rows(state, "done."))]
+    self._group_added, self._group_returned = (
+        collections.Counter({int(g): int(n) for g, n in np.asarray(state[f"groups.{name}"])})
+        for name in ("added", "returned"))
+    self._ids = ({r.sample_id for r in self._queue} | {r.sample_id for r in self._occupant if r is not None}
+                 | {int(f.row["sample_id_s"]) for f in self._finished})
+    self._chunks, self._kv_valid = int(state["chunks"]), False
+
+  def _check_state(self, state: dict) -> None:
+    if self._queue or self.num_in_flight or self._finished:
+      raise ValueError("load_state_dict: the engine already holds samples; load into a fresh engine")
+    if _item(state.get("format")) != _STATE_FORMAT:
+      raise ValueError(f"load_state_dict: format {_item(state.get('format'))!r}, expected {_STATE_FORMAT}")
+    bad = [f"{k}: {_item(state.get(f'config.{k}'))!r} in the state, {v!r} here"
+           for k, v in _fingerprint(self.cfg).items() if _item(state.get(f"config.{k}")) != v]
+    if bad:
+      raise ValueError("load_state_dict: saved under another EngineConfig: " + "; ".join(bad))
+    in_flight = len(state["flight.slot"])
+    if in_flight > self.cfg.num_slots:
+      raise ValueError(f"load_state_dict: {in_flight} in-flight samples > EngineConfig.num_slots "
+                       f"{self.cfg.num_slots}")
+
+  def _restore_slots(self, state: dict) -> None:
+    """Writes the saved in-flight rows into slots (the saved ones when they fit) on host and device."""
+    slot_f = np.asarray(state["flight.slot"], np.int64)
+    if slot_f.size and slot_f.max() >= self.cfg.num_slots:
+      slot_f = np.arange(slot_f.size)
+    host = jax.tree.map(np.array, self._host)       # writable copies
+    for name in _SLOT_FIELDS:
+      getattr(host, name)[slot_f] = state[f"flight.{name}"]
+    host.done_s[slot_f] = False
+    self._occupant = [None] * self.cfg.num_slots
+    for s, request in zip(slot_f, _requests(state, "flight.", "tokens_st")):
+      self._occupant[int(s)] = request
+    self._host = host
+    self._state = jax.device_put(host, jax.tree.map(lambda x: x.sharding, self._state))
 
   # -- slots: the host side of slots.py's programs -------------------------------------------------
 
@@ -343,8 +493,9 @@ class Engine:
     min_done = self.cfg.num_slots + 1     # never: run the full chunk
     if self.cfg.early_exit and self.cfg.refill == "continuous" and self._queue:
       min_done = min(self.rows, len(self._queue))
-    if self.cfg.early_exit and target is not None and target[0] == "samples":
-      min_done = min(min_done, target[1] - len(self._finished))     # stop as soon as the target is met
+    bound = self._target_bound(target) if self.cfg.early_exit else None
+    if bound is not None:
+      min_done = min(min_done, bound)     # stop as soon as the target can be met
     scalars = jax.device_put((np.int32(self.cfg.chunk_steps), np.int32(min_done)),
                              self.programs.replicated)
     self._state, self._cache, steps, tokens = self.programs.decode(
@@ -353,9 +504,78 @@ class Engine:
     self._chunks += 1
     stats.update(decode_chunks=1, decode_steps=int(steps), generated_tokens=int(tokens))
 
+  def _target_bound(self, target: _Target | None) -> int | None:
+    """Slots that must finish in this chunk before the target can be met (None: no bound)."""
+    if target is None or (target.kind == "groups" and target.finish is None):
+      return None
+    return target.n - len(self._finished) if target.kind == "samples" else self._groups_bound(target)
+
+  def _groups_bound(self, target: _Target) -> int | None:
+    """Fewest in-flight samples that must finish before a ``finish_groups`` target can be met.
+
+    A lower bound: a chunk never runs past the step that meets the target, and ends early (one extra
+    fetch) when other slots finish first. None when the target cannot be met within the next chunk.
+    """
+    size = self.cfg.group_size
+    finished = collections.Counter(f.group_id for f in self._finished)
+    flying = collections.Counter(r.group_id for r in self._occupant if r is not None)
+    complete = {g for g, n in finished.items() if n == size}
+    left = {g: n for g, n in flying.items() if finished[g] + n == size}   # can complete in this chunk
+    awaited = target.finish - complete
+    if not awaited <= left.keys():
+      return None
+    others = sorted(n for g, n in left.items() if g not in awaited)
+    short = max(0, target.n - len(complete) - len(awaited))
+    return None if short > len(others) else sum(left[g] for g in awaited) + sum(others[:short])
+
 
 _ROW_FIELDS = ("tokens_st", "logp_st", "version_st", "prompt_len_s", "response_len_s", "finished_s",
                "sample_id_s")
+_SLOT_FIELDS = _ROW_FIELDS + ("forced_len_s",)    # an in-flight row: every SlotState field but done_s
+
+
+def _min_version(version_t, start, length) -> int | None:
+  """The oldest version among a row's ``length`` generated tokens from ``start`` (None if none)."""
+  start, length = int(start), int(length)
+  return int(np.min(version_t[start:start + length])) if length else None
+
+
+def _fingerprint(cfg: EngineConfig) -> dict:
+  """The config fields that change what is generated; a loaded state must match them exactly."""
+  spec = cfg.spec
+  return {"seed": int(cfg.seed), "group_size": cfg.group_size, "seq_len": spec.seq_len,
+          "max_prompt_len": spec.max_prompt_len, "max_new_tokens": spec.max_new_tokens,
+          "eos_id": spec.eos_id, "vocab_size": spec.model.vocab_size,
+          **{f"sampling.{k}": v for k, v in dataclasses.asdict(spec.sampling).items()}}
+
+
+def _item(value):
+  """A saved scalar as a Python value (``np.load`` gives 0-d arrays); None stays None."""
+  return None if value is None else np.asarray(value).item()
+
+
+def _queue_arrays(queue, width: int) -> dict:
+  """Queued requests as arrays; prompts padded to ``width``, ``forced_len`` 0 for None."""
+  prompt_qp = np.zeros((len(queue), width), np.int32)
+  for i, r in enumerate(queue):
+    prompt_qp[i, :len(r.prompt)] = r.prompt
+  column = lambda fn: np.asarray([fn(r) for r in queue], np.int32).reshape(-1)
+  return {"queue.sample_id_s": column(lambda r: r.sample_id), "queue.group_id": column(lambda r: r.group_id),
+          "queue.forced_len_s": column(lambda r: r.forced_len or 0),
+          "queue.prompt_len_s": column(lambda r: len(r.prompt)), "queue.prompt_qp": prompt_qp}
+
+
+def _requests(state: dict, prefix: str, tokens: str) -> list[Request]:
+  """The Requests of saved rows (queued or in flight): a prompt is the first prompt_len of ``tokens``."""
+  columns = [np.asarray(state[prefix + k]) for k in ("sample_id_s", "group_id", tokens, "prompt_len_s",
+                                                      "forced_len_s")]
+  return [Request(int(i), int(g), row[:n], int(forced) or None) for i, g, row, n, forced in zip(*columns)]
+
+
+def _rows(state: dict, prefix: str) -> list[dict]:
+  """Saved finished rows as the per-sample dicts ``_collect`` builds."""
+  arrays = {name: np.asarray(state[prefix + name]) for name in _ROW_FIELDS}
+  return [{name: np.array(a[i]) for name, a in arrays.items()} for i in range(len(arrays["sample_id_s"]))]
 
 
 def _stack(rows: list[dict], seq_len: int) -> Rollout:

@@ -1,9 +1,14 @@
-"""One process of a 2-process CPU run (tests/multihost_test.py): global batch + one RL update.
+"""One process of a 2-process CPU run (tests/multihost_test.py): global batches + one RL update.
 
 Run as ``python -m rl_fusion_jax.testing.multihost_worker PORT PROCESS_ID``. Each process owns 2 CPU
-devices; the mesh spans all 4. Both processes hold the same host batch and build the global array shard
-by shard (``orchestration.data.to_global``), so each device receives only its own rows. Prints one JSON
-line with the update's metrics.
+devices; each mesh in ``MESHES`` spans all 4. On each mesh the global batch is built twice:
+  host:  every process holds the whole host batch and copies its devices' rows (``to_global``);
+  queue: every process fills a DistQueue with the batch's samples (a stand-in for one shared queue
+         service) and reads from it only the rows of its own devices, once per data-parallel group
+         (``queue_arrays``), counting what it read.
+On the meshes marked ``update`` the same RL update then runs on both batches (the others only compare
+the batches: a second compile of the update would double the test's time). Prints one JSON line: per
+mesh, the queue reads, where each row landed, whether both batches agree, and the updates' metrics.
 """
 import json
 import os
@@ -12,16 +17,60 @@ import sys
 import jax
 import numpy as np
 
+# name -> (mesh sizes, run the update). fsdp2_tp2: the 2 devices of a tensor pair share their rows.
+MESHES = {"dp2_fsdp2": (dict(data=2, fsdp=2, tensor=1), True),
+          "fsdp2_tp2": (dict(data=1, fsdp=2, tensor=2), False)}
+# TrainBatch field -> (queue field, dtype, per token). Token rows are stored packed, unpadded.
+QUEUE_FIELDS = {"tokens_bt": ("tokens", np.int32, True), "mask_bt": ("mask", np.float32, True),
+                "advantages_b": ("advantage", np.float32, False),
+                "behaviour_logp_bt": ("behaviour_logp", np.float32, True),
+                "ref_logp_bt": ("ref_logp", np.float32, True), "version_bt": ("version", np.int32, True)}
+CONSUMER = "train"
 
-def batch_arrays(batch: int = 8, seq: int = 10, prompt: int = 3, seed: int = 0):
-  """A fixed host batch (numpy) for the tiny model, identical in every process."""
+
+def host_batch(batch: int = 8, seq: int = 10, prompt: int = 3, seed: int = 0):
+  """A fixed host batch (numpy, TrainBatch field names) with rows of different lengths, identical in every
+  process; returns (fields, lengths). Positions past a row's length are 0 in every field."""
   rng = np.random.default_rng(seed)
-  tokens = rng.integers(3, 64, size=(batch, seq)).astype(np.int32)
-  mask = np.zeros((batch, seq), np.float32)
-  mask[:, prompt:] = 1.0
-  adv = rng.normal(size=batch).astype(np.float32)
-  behaviour = (rng.normal(size=(batch, seq)) * 0.1 - 4).astype(np.float32) * mask
-  return tokens, mask, adv, behaviour
+  lengths = rng.integers(prompt + 2, seq + 1, size=batch)
+  real = (np.arange(seq)[None, :] < lengths[:, None])
+  mask = (real & (np.arange(seq)[None, :] >= prompt)).astype(np.float32)
+  fields = {"tokens_bt": rng.integers(3, 64, size=(batch, seq)).astype(np.int32) * real,
+            "mask_bt": mask, "advantages_b": rng.normal(size=batch).astype(np.float32),
+            "behaviour_logp_bt": (rng.normal(size=(batch, seq)) * 0.1 - 4).astype(np.float32) * mask,
+            "ref_logp_bt": np.zeros_like(mask), "version_bt": np.zeros(mask.shape, np.int32)}
+  return fields, lengths
+
+
+def fill_queue(fields: dict, lengths: np.ndarray):
+  """A DistQueue holding every sample (index = row), token fields packed to each row's length."""
+  from rl_fusion_jax.queue.distqueue import DistQueue, FieldSpec
+  queue = DistQueue([FieldSpec(*spec) for spec in QUEUE_FIELDS.values()], capacity=len(lengths))
+  queue.register_consumer(CONSUMER, [name for name, _, _ in QUEUE_FIELDS.values()])
+  rows = lambda x: [x[i, :n] for i, n in enumerate(lengths)]
+  queue.put(np.arange(len(lengths)), **{name: rows(fields[f]) if per_token else fields[f]
+                                        for f, (name, _, per_token) in QUEUE_FIELDS.items()})
+  return queue
+
+
+def host_train_batch(mesh, fields: dict):
+  from rl_fusion_jax.orchestration.data import to_global
+  from rl_fusion_jax.types import TrainBatch
+  return TrainBatch(**{f: to_global(mesh, x) for f, x in fields.items()})
+
+
+def queue_train_batch(mesh, queue, rows: int, width: int):
+  """The global TrainBatch read from ``queue``: only this process's rows; returns (batch, reads)."""
+  from rl_fusion_jax.queue.global_batch import queue_arrays
+  from rl_fusion_jax.types import TrainBatch
+  reads = []
+
+  def read(indices):
+    reads.append(indices.tolist())
+    return queue.read(CONSUMER, indices)
+
+  arrays = queue_arrays(mesh, read, np.arange(rows), width)
+  return TrainBatch(**{f: arrays[name] for f, (name, _, _) in QUEUE_FIELDS.items()}), reads
 
 
 def tiny_model():
@@ -30,39 +79,70 @@ def tiny_model():
                             intermediate_size=64, qkv_bias=True, max_position_embeddings=32)
 
 
-def update_metrics(mesh_cfg) -> dict:
-  """One RL update of the tiny model on ``mesh_cfg`` over all (global) devices."""
+def make_update(mesh):
+  """``update(batch) -> metrics``: one RL update of the tiny model from a fresh state (same every call)."""
   from rl_fusion_jax import models
   from rl_fusion_jax.config import AlgoConfig, OptimConfig
-  from rl_fusion_jax.orchestration.data import to_global
-  from rl_fusion_jax.sharding.mesh import make_mesh
   from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
   from rl_fusion_jax.train import state as state_lib
   from rl_fusion_jax.train import step as step_lib
-  from rl_fusion_jax.types import TrainBatch
 
-  cfg, mesh = tiny_model(), make_mesh(mesh_cfg)
+  cfg = tiny_model()
   psh = param_shardings(models.abstract_params(cfg), models.param_logical_axes(cfg), mesh, TRAIN_RULES)
   tx = state_lib.make_optimizer(OptimConfig(learning_rate=1e-2))
   ssh = state_lib.state_shardings(tx, models.abstract_params(cfg), psh, mesh)
-  params = jax.jit(lambda k: models.init_params(cfg, k, init_std=0.3), out_shardings=psh)(jax.random.key(0))
-  state = state_lib.create_train_state(params, tx, ssh)
-  tokens, mask, adv, behaviour = batch_arrays()
-  g = lambda x: to_global(mesh, x)
-  batch = TrainBatch(tokens_bt=g(tokens), mask_bt=g(mask), advantages_b=g(adv), behaviour_logp_bt=g(behaviour),
-                     ref_logp_bt=g(np.zeros_like(mask)), version_bt=g(np.zeros(mask.shape, np.int32)))
+  init = jax.jit(lambda k: models.init_params(cfg, k, init_std=0.3), out_shardings=psh)
   step = step_lib.make_rl_step(cfg, AlgoConfig(), 1.0, tx, 1, mesh, 7, ssh)
-  state, metrics = step(state, batch)
-  return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+  def update(batch) -> dict:
+    state = state_lib.create_train_state(init(jax.random.key(0)), tx, ssh)  # the step donates it
+    _, metrics = step(state, batch)
+    return {k: float(v) for k, v in jax.device_get(metrics).items()}
+  return update
+
+
+def update_metrics(mesh_cfg) -> dict:
+  """One RL update on ``mesh_cfg`` over all (global) devices, from the host batch."""
+  from rl_fusion_jax.sharding.mesh import make_mesh
+  mesh = make_mesh(mesh_cfg)
+  return make_update(mesh)(host_train_batch(mesh, host_batch()[0]))
+
+
+def shard_rows(array) -> dict:
+  """Device id -> [start, stop) of the rows its shard of ``array`` holds (this process's devices)."""
+  return {s.device.id: list(s.index[0].indices(array.shape[0])[:2]) for s in array.addressable_shards}
+
+
+def same_local_shards(a, b) -> bool:
+  """Same dtype, sharding and, on every device of this process, the same shard."""
+  b_shards = {s.device: s.data for s in b.addressable_shards}
+  return (a.dtype == b.dtype and a.sharding == b.sharding
+          and all(np.array_equal(s.data, b_shards[s.device]) for s in a.addressable_shards))
+
+
+def run_mesh(mesh_cfg, update: bool) -> dict:
+  """Both global batches on one mesh: queue reads, row layout, whether the shards agree (and metrics)."""
+  from rl_fusion_jax.sharding.mesh import make_mesh
+  mesh, (fields, lengths) = make_mesh(mesh_cfg), host_batch()
+  host = host_train_batch(mesh, fields)
+  width = fields["mask_bt"].shape[1]
+  queued, reads = queue_train_batch(mesh, fill_queue(fields, lengths), len(lengths), width)
+  out = {"reads": reads, "device_rows": shard_rows(queued.tokens_bt), "rows": len(lengths),
+         "mesh_device_ids": mesh.device_ids.tolist(),
+         "same_shards": all(same_local_shards(getattr(host, f), getattr(queued, f)) for f in QUEUE_FIELDS)}
+  if update:
+    step = make_update(mesh)
+    out.update(host=step(host), queue=step(queued))
+  return out
 
 
 def main(port: int, process_id: int) -> None:
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                              process_id=process_id)
   from rl_fusion_jax.config import MeshConfig
-  out = update_metrics(MeshConfig(data=2, fsdp=2, tensor=1))
+  out = {name: run_mesh(MeshConfig(**sizes), update) for name, (sizes, update) in MESHES.items()}
   out.update(process_index=jax.process_index(), devices=jax.device_count(),
-             local_devices=jax.local_device_count())
+             local_devices=sorted(d.id for d in jax.local_devices()))
   print(json.dumps(out), flush=True)
   jax.distributed.shutdown()
 

@@ -103,14 +103,31 @@ def update(loss_fn: LossFn, tx: optax.GradientTransformation, num_micro: int, me
 def rl_loss(model_cfg: models.ModelConfig, algo: AlgoConfig, temperature: float,
             params, batch: TrainBatch, weights):
   """Policy loss + optional KL and entropy terms, aggregated with the precomputed token weights."""
-  loss_w_bt, metric_w_bt = weights
   logp_bt, entropy_bt = token_logprobs(model_cfg, params, batch.tokens_bt, temperature, with_entropy=True)
+  return rl_loss_from_logprobs(algo, logp_bt, entropy_bt, behaviour_logp_bt=batch.behaviour_logp_bt,
+                               advantages=batch.advantages_b, mask_bt=batch.mask_bt,
+                               ref_logp_bt=batch.ref_logp_bt, weights=weights)
+
+
+def rl_loss_from_logprobs(algo: AlgoConfig, logp_bt, entropy_bt, *, behaviour_logp_bt, advantages, mask_bt,
+                          ref_logp_bt, weights):
+  """The RL loss after the forward pass, for any row layout (``rl_loss`` and the packed step use it).
+
+  ``advantages`` is [B] (one per row) or [B, T] (one per token: packed rows hold several samples).
+  Off-policy metrics (token means): importance-weight mean and second moment (std = sqrt(E[w^2] -
+  E[w]^2)), the truncated fraction, and tokens whose log-ratio hit the clamp.
+  """
+  loss_w_bt, metric_w_bt = weights
   policy_loss = registry.get_policy_loss(algo.policy_loss)
-  loss_bt, stats = policy_loss(logp_bt, batch.behaviour_logp_bt, batch.advantages_b,
-                               clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip)
-  metrics_bt = {"entropy": entropy_bt, "clip_frac": stats["clipped"], "ratio": stats["ratio"]}
+  loss_bt, stats = policy_loss(logp_bt, behaviour_logp_bt, advantages,
+                               clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
+                               is_cap=algo.is_cap, mask_bt=mask_bt)
+  metrics_bt = {"entropy": entropy_bt, "clip_frac": stats["clipped"], "ratio": stats["ratio"],
+                "is_weight": stats["is_weight"], "is_weight_sq": stats["is_weight"] ** 2,
+                "is_truncated_frac": stats["is_truncated"],
+                "log_ratio_clamped_frac": stats["log_ratio_clamped"]}
   if algo.needs_reference:
-    metrics_bt["kl"] = registry.get_kl_estimator(algo.kl_estimator)(logp_bt, batch.ref_logp_bt)
+    metrics_bt["kl"] = registry.get_kl_estimator(algo.kl_estimator)(logp_bt, ref_logp_bt)
     if algo.kl_mode == "loss":
       loss_bt = loss_bt + algo.kl_coef * metrics_bt["kl"]
   if algo.entropy_coef:

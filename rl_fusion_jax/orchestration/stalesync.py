@@ -1,0 +1,196 @@
+"""StaleSync on one co-located mesh: bounded-staleness rollout phases over the DistQueue.
+
+One step of ``StaleSync.step``:
+  1. top up: new problems enter the engine so that ``pool = ceil(num_prompts / f)`` groups are
+     outstanding (queued, in flight, or finished and waiting in the queue);
+  2. drop (and count) waiting groups that the learner may no longer train on, then a rollout phase under
+     the current weights (version L) that ends once the queue can fill one update with ``num_prompts``
+     finished groups AND every in-flight group whose oldest token has version <= L - s has finished
+     (it would exceed the bound s after this update). Everything else stays in flight and continues in
+     the next phase under the new weights (the engine's partial rollout);
+  3. the finished groups enter the DistQueue, packed (no padding stored);
+  4. admission (``queue.staleness.admit``): the oldest ``num_prompts`` groups within the bound, read from
+     the queue and restored to fixed-width rows; the rest wait for the next update;
+  5. the common train phase (reward, reference, advantages, update, publish).
+
+Phase boundaries depend only on sample counts and versions, never on wall-clock, so a run is reproducible
+for a fixed seed. With s = 0 (then f = 1) every started group must finish in its phase and the batch is
+exactly the synchronous one (tested equal to ``phases.rl_step``). This module never drops a sample
+silently: stale groups are counted (``stalesync/discarded_groups``), waiting ones reported as held back.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from rl_fusion_jax.orchestration import phases
+from rl_fusion_jax.orchestration.programs import Programs
+from rl_fusion_jax.orchestration.setup import Setup
+from rl_fusion_jax.queue.staleness import Candidate, admit
+from rl_fusion_jax.queue.distqueue import DistQueue, FieldSpec, unpack
+from rl_fusion_jax.timeline import Timeline
+from rl_fusion_jax.types import Rollout
+
+TOKEN_FIELDS = (("tokens", np.int32), ("logp", np.float32), ("version", np.int32))
+SAMPLE_FIELDS = (("prompt_len", np.int32), ("response_len", np.int32), ("finished", np.bool_),
+                 ("sample_id", np.int32), ("group_id", np.int32), ("min_version", np.int32))
+CONSUMER = "train"
+
+
+def make_queue(setup: Setup) -> DistQueue:
+  """The run's queue: one row per sample, room for every outstanding group."""
+  r, s = setup.cfg.rollout, setup.cfg.stalesync
+  fields = ([FieldSpec(n, d, True) for n, d in TOKEN_FIELDS]
+            + [FieldSpec(n, d, False) for n, d in SAMPLE_FIELDS])
+  queue = DistQueue(fields, capacity=s.pool_groups(r.num_prompts) * r.group_size)
+  queue.register_consumer(CONSUMER, needs=tuple(f.name for f in fields))
+  return queue
+
+
+class StaleSync:
+  """The bounded-staleness schedule: owns the data position, the queue and the staleness counters."""
+
+  def __init__(self, setup: Setup, programs: Programs, data_position: int = 0, queue: DistQueue | None = None,
+               counters: dict | None = None):
+    self.setup, self.programs = setup, programs
+    self.cfg, self.r, self.s = setup.cfg.stalesync, setup.cfg.rollout, setup.cfg.stalesync.max_staleness
+    self.data_position = data_position
+    self.queue = queue or make_queue(setup)
+    self.counters = {"discarded_groups": 0, "trained_groups": 0, "generated_groups": 0, **(counters or {})}
+
+  # -- host bookkeeping ------------------------------------------------------------------------------
+
+  def _waiting(self) -> dict[int, tuple[int, list[int]]]:
+    """group id -> (min token version, sample indices) of the finished groups waiting in the queue."""
+    ready = self.queue.ready(CONSUMER)
+    if not len(ready):
+      return {}
+    batch = self.queue.peek(ready, ("group_id", "min_version"))
+    out: dict[int, tuple[int, list[int]]] = {}
+    for index, g, v in zip(ready, batch["group_id"], batch["min_version"]):
+      version, members = out.get(int(g), (int(v), []))
+      out[int(g)] = (min(version, int(v)), members + [int(index)])
+    return out
+
+  def _top_up(self) -> int:
+    engine, r = self.programs.engine, self.r
+    outstanding = len(engine.group_min_versions()) + len(self._waiting())
+    new = max(0, self.cfg.pool_groups(r.num_prompts) - outstanding)
+    if new:
+      first = self.data_position
+      problems = [self.setup.train_task.problem(first + i) for i in range(new)]
+      engine.add(phases.requests(self.setup.tokenizer, problems, r.max_prompt_len, r.group_size,
+                                 first * r.group_size, first))
+      self.data_position += new
+    return new
+
+  def _discard_stale(self, learner: int) -> int:
+    stale = {g: idx for g, (v, idx) in self._waiting().items() if learner - v > self.s}
+    for g in sorted(stale):
+      self.queue.drop(stale[g], reason="stale")
+    self.counters["discarded_groups"] += len(stale)
+    return len(stale)
+
+  def _put(self, rollout: Rollout) -> None:
+    """Finished samples -> the queue, token fields cut to prompt + response (packed, no padding)."""
+    lengths = rollout.prompt_len_b + rollout.response_len_b
+    cut = lambda x_bt: [row[:n] for row, n in zip(x_bt, lengths)]
+    min_version = np.array([v[p:p + n].min() if n else -1 for v, p, n in
+                            zip(rollout.version_bt, rollout.prompt_len_b, rollout.response_len_b)], np.int32)
+    self.queue.put(rollout.sample_id_b.astype(np.int64), tokens=cut(rollout.tokens_bt),
+                   logp=cut(rollout.logp_bt),
+                   version=cut(rollout.version_bt), prompt_len=rollout.prompt_len_b,
+                   response_len=rollout.response_len_b, finished=rollout.finished_b,
+                   sample_id=rollout.sample_id_b, group_id=rollout.sample_id_b // self.r.group_size,
+                   min_version=min_version, block=False)
+
+  def _read(self, indices) -> Rollout:
+    """The admitted samples as a fixed-width host Rollout, sorted by sample id."""
+    batch = self.queue.read(CONSUMER, np.sort(np.asarray(indices, np.int64)))
+    width = self.r.seq_len
+    return Rollout(tokens_bt=unpack(batch["tokens"], width, 0), prompt_len_b=batch["prompt_len"],
+                   response_len_b=batch["response_len"], logp_bt=unpack(batch["logp"], width, 0.0),
+                   version_bt=unpack(batch["version"], width, -1), finished_b=batch["finished"],
+                   sample_id_b=batch["sample_id"])
+
+  # -- one step ----------------------------------------------------------------------------------------
+
+  def _generate(self, state, step: int, timeline: Timeline):
+    """The rollout phase (skipped when the queue already fills the update and nothing is at risk)."""
+    engine, learner = self.programs.engine, step
+    needed = self.r.num_prompts - len(self._waiting())
+    at_risk = sorted(g for g, v in engine.group_min_versions().items()
+                     if v is not None and v <= learner - self.s)
+    if self.s == 0:
+      run = lambda params: engine.run(params, learner)        # every started group finishes: synchronous
+    elif needed > 0 or at_risk:
+      run = lambda params: engine.run(params, learner, target_groups=max(needed, 1), finish_groups=at_risk)
+    else:
+      return state, {"generate_s": 0.0, "stalesync/rollout_skipped": 1.0}
+    state, result, metrics = phases.generation_phase(self.programs, state, step, timeline, run)
+    if len(result.rollout.sample_id_b):
+      self._put(result.rollout)
+    finished = result.rollout.response_len_b
+    self.counters["generated_groups"] += len(finished) // self.r.group_size
+    return state, metrics | {"stalesync/rollout_skipped": 0.0, "stalesync/forced_groups": float(len(at_risk)),
+                             "stalesync/finished_groups": float(len(finished) // self.r.group_size),
+                             "stalesync/finished_len_mean": float(finished.mean()) if len(finished) else 0.0}
+
+  def _admit(self, learner: int) -> tuple[list[int], list[int], dict]:
+    waiting = self._waiting()
+    lengths = self.queue.peek(self.queue.ready(CONSUMER), ("group_id", "response_len"))
+    mean_len = {g: float(np.mean([n for gg, n in zip(lengths["group_id"], lengths["response_len"]) if gg == g]))
+                for g in waiting}
+    # Finished groups only: in-flight ones are the engine's business (forced_groups, engine_groups).
+    candidates = [Candidate(g, v, True, mean_len[g]) for g, (v, _) in waiting.items()]
+    adm = admit(candidates, learner, self.s, limit=self.r.num_prompts)
+    if len(adm.admitted) != self.r.num_prompts:
+      raise RuntimeError(f"StaleSync: {len(adm.admitted)} admissible groups for an update of "
+                         f"{self.r.num_prompts} (data exhausted?)")
+    groups = sorted(adm.admitted)
+    indices = [i for g in groups for i in waiting[g][1]]
+    metrics = {f"stalesync/{k}": v for k, v in adm.metrics().items() if k not in ("at_risk", "stale")}
+    return groups, indices, metrics
+
+  def step(self, state, ref_resting, step: int, timeline: Timeline):
+    """One StaleSync step at learner version ``step``; returns (state, metrics)."""
+    t_start = time.perf_counter()
+    added = self._top_up()
+    discarded = self._discard_stale(step)
+    state, metrics = self._generate(state, step, timeline)
+    groups, indices, adm_metrics = self._admit(step)
+    depth_before = self.queue.stats().get("depth", 0.0)
+    rollout = self._read(indices)
+    problems = [self.setup.train_task.problem(g) for g in groups]
+    state, m = phases.train_phase(self.setup, self.programs, state, ref_resting, step, timeline, problems,
+                                  rollout)
+    self.counters["trained_groups"] += len(groups)
+    versions = [rollout.version_bt[b, p:p + n] for b, (p, n) in
+                enumerate(zip(rollout.prompt_len_b, rollout.response_len_b))]
+    metrics |= m | adm_metrics | {
+        "stalesync/added_groups": float(added), "stalesync/discarded_now": float(discarded),
+        "stalesync/waiting_samples_after": float(depth_before - len(indices)),
+        "stalesync/engine_groups": float(len(self.programs.engine.group_min_versions())),
+        "stalesync/trained_token_staleness_mean": float(np.mean(np.concatenate(
+            [step - v for v in versions]))) if any(len(v) for v in versions) else 0.0,
+        "data_position": float(self.data_position), "step_s": time.perf_counter() - t_start}
+    metrics |= {f"stalesync/{k}_total": float(v) for k, v in self.counters.items()}
+    metrics |= {f"queue/{k}": float(v) for k, v in self.queue.stats(width=self.r.seq_len).items()
+                if not k.startswith("wait_s")}
+    return state, metrics
+
+  # -- checkpointing ----------------------------------------------------------------------------------
+
+  def state_dict(self) -> dict:
+    return {"data_position": self.data_position, "counters": dict(self.counters),
+            "queue": self.queue.state_dict(), "engine": self.programs.engine.state_dict()}
+
+
+def from_state(setup: Setup, programs: Programs, host: dict | None) -> StaleSync:
+  """A fresh schedule, or the one saved in a checkpoint's host state (queue, in-flight samples, counters)."""
+  if host is None:
+    return StaleSync(setup, programs)
+  programs.engine.load_state_dict(host["engine"])
+  return StaleSync(setup, programs, int(host["data_position"]), DistQueue.from_state_dict(host["queue"]),
+                   {k: int(v) for k, v in host["counters"].items()})

@@ -1,0 +1,204 @@
+"""Host-side sequence packing: samples of different lengths laid several to a row of fixed width W.
+
+A sample is its prompt followed by its response (``length = prompt_len + response_len``), read from a
+right-padded row ``x_bt[b, :length_b]``. ``plan`` places whole samples into rows by first-fit decreasing
+(longest first, ties in sample order; deterministic), then rounds the row count up to one of a few
+buckets, so the jitted packed step compiles once per bucket, never once per batch. Every bucket is a
+multiple of ``batch_shards * micro_batches``: each micro-batch then splits evenly over the batch axes.
+
+In a packed row, sample k (k = 1, 2, ...) has segment id k and positions 0, 1, ... (they restart per
+sample); padding has segment id 0, position 0, mask 0. Per-sample values (the advantage) are broadcast
+over the sample's tokens. ``Layout`` is the index map both ways: ``pack`` and ``unpack`` are inverses on
+each sample's tokens.
+
+This module never imports jax, never splits a sample across rows, and never drops a sample: a sample
+longer than the row width is an error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+from jaxtyping import Float, Int, Shaped
+
+# Fill values outside every sample, per field (version -1 as in Rollout: "no policy produced this").
+PAD = {"tokens": 0, "positions": 0, "segment_ids": 0, "sample": -1, "mask": 0.0, "advantages": 0.0,
+       "behaviour_logp": 0.0, "ref_logp": 0.0, "version": -1}
+
+
+def row_multiple(batch_shards: int, micro_batches: int) -> int:
+  """Row counts must be multiples of this: each of the micro-batches splits over the batch shards."""
+  if batch_shards < 1 or micro_batches < 1:
+    raise ValueError(f"batch_shards={batch_shards} and micro_batches={micro_batches} must be >= 1")
+  return batch_shards * micro_batches
+
+
+def row_buckets(num_samples: int, multiple: int, per_doubling: int = 1) -> tuple[int, ...]:
+  """Row counts ``multiple * 2 ** (k / per_doubling)`` (rounded up to a multiple) below the all-rows case,
+  then that case (``num_samples`` rounded up to a multiple).
+
+  One sample per row always fits (a sample never exceeds the width), so the last bucket always does. More
+  steps per doubling waste fewer padding rows and cost more compiles (one per bucket used).
+  """
+  if per_doubling < 1:
+    raise ValueError(f"per_doubling must be >= 1, got {per_doubling}")
+  top = max(multiple, math.ceil(num_samples / multiple) * multiple)
+  buckets, k = set(), 0
+  while (rows := math.ceil(2 ** (k / per_doubling) - 1e-9) * multiple) < top:
+    buckets.add(rows)
+    k += 1
+  return tuple(sorted(buckets)) + (top,)
+
+
+def check_buckets(buckets, multiple: int) -> tuple[int, ...]:
+  buckets = tuple(sorted(int(b) for b in buckets))
+  bad = [b for b in buckets if b < 1 or b % multiple]
+  if not buckets or bad:
+    raise ValueError(f"row buckets {buckets}: each must be a positive multiple of {multiple} "
+                     "(batch_shards * micro_batches)")
+  return buckets
+
+
+def choose_rows(rows_needed: int, buckets) -> int:
+  """The smallest bucket holding ``rows_needed`` rows."""
+  fits = [b for b in sorted(buckets) if b >= rows_needed]
+  if not fits:
+    raise ValueError(f"{rows_needed} packed rows needed; the largest row bucket is {max(buckets)}")
+  return fits[0]
+
+
+def first_fit_decreasing(length_b: Int[np.ndarray, "B"], width: int
+                         ) -> tuple[Int[np.ndarray, "B"], Int[np.ndarray, "B"], int]:
+  """(row_b, start_b, rows used): each sample in the first row with room, longest samples first.
+
+  Empty samples (length 0) take no room and no row (row -1).
+  """
+  length_b = np.asarray(length_b, np.int64)
+  if length_b.ndim != 1 or (length_b < 0).any():
+    raise ValueError(f"lengths must be a 1-D array of values >= 0, got {length_b}")
+  if len(length_b) and length_b.max() > width:
+    raise ValueError(f"sample {int(length_b.argmax())} has {int(length_b.max())} tokens; "
+                     f"rows hold {width}")
+  row_b, start_b = np.full(len(length_b), -1, np.int64), np.zeros(len(length_b), np.int64)
+  used_r = np.zeros(len(length_b), np.int64)     # tokens placed per row (at most one row per sample)
+  rows = 0
+  for b in np.argsort(-length_b, kind="stable"):
+    if length_b[b] == 0:
+      continue
+    r = int(np.flatnonzero(used_r[:rows + 1] + length_b[b] <= width)[0])
+    row_b[b], start_b[b] = r, used_r[r]
+    used_r[r] += length_b[b]
+    rows = max(rows, r + 1)
+  return row_b, start_b, rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Sample b occupies row ``row_b[b]``, columns ``start_b[b] : start_b[b] + length_b[b]``."""
+  row_b: np.ndarray
+  start_b: np.ndarray
+  length_b: np.ndarray
+  num_rows: int
+  width: int
+  rows_used: int
+
+  def _token_index(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(sample, offset, row, column) of every real token, one entry per token."""
+    sample = np.repeat(np.arange(len(self.length_b)), self.length_b)
+    offset = np.arange(len(sample)) - np.repeat(np.cumsum(self.length_b) - self.length_b, self.length_b)
+    return sample, offset, self.row_b[sample], self.start_b[sample] + offset
+
+  def pack(self, x_bt: Shaped[np.ndarray, "B T"], fill=0) -> Shaped[np.ndarray, "R W"]:
+    """Right-padded rows [B, >= max length] -> packed [R, W] (``fill`` outside every sample)."""
+    x_bt = np.asarray(x_bt)
+    if x_bt.shape[0] != len(self.length_b) or (len(self.length_b) and x_bt.shape[1] < self.length_b.max()):
+      raise ValueError(f"pack: rows of shape {x_bt.shape} for {len(self.length_b)} samples of up to "
+                       f"{self.length_b.max(initial=0)} tokens")
+    sample, offset, row, col = self._token_index()
+    out_rw = np.full((self.num_rows, self.width), fill, x_bt.dtype)
+    out_rw[row, col] = x_bt[sample, offset]
+    return out_rw
+
+  def pack_per_sample(self, x_b: Shaped[np.ndarray, "B"], fill=0) -> Shaped[np.ndarray, "R W"]:
+    """One value per sample [B] -> [R, W], broadcast over the sample's tokens."""
+    x_b = np.asarray(x_b)
+    return self.pack(np.broadcast_to(x_b[:, None], (len(x_b), max(1, self.length_b.max(initial=0)))), fill)
+
+  def unpack(self, x_rw: Shaped[np.ndarray, "R W"], seq_len: int, fill=0) -> Shaped[np.ndarray, "B T"]:
+    """Packed [R, W] -> right-padded [B, seq_len]: the inverse of ``pack`` on every sample's tokens."""
+    x_rw = np.asarray(x_rw)
+    sample, offset, row, col = self._token_index()
+    out_bt = np.full((len(self.length_b), seq_len), fill, x_rw.dtype)
+    out_bt[sample, offset] = x_rw[row, col]
+    return out_bt
+
+  def positions_rw(self) -> Int[np.ndarray, "R W"]:
+    return self.pack(np.broadcast_to(np.arange(self.width), (len(self.length_b), self.width)))
+
+  def segment_ids_rw(self) -> Int[np.ndarray, "R W"]:
+    """1, 2, ... per row in column order; 0 on padding."""
+    order = np.lexsort((self.start_b, self.row_b))
+    placed = order[self.row_b[order] >= 0]
+    rank = np.arange(len(placed)) - np.searchsorted(self.row_b[placed], self.row_b[placed])
+    segment_b = np.zeros(len(self.length_b), np.int64)
+    segment_b[placed] = rank + 1
+    return self.pack_per_sample(segment_b)
+
+  def stats(self) -> dict[str, float]:
+    tokens = int(self.length_b.sum())
+    return {"rows": self.num_rows, "rows_used": self.rows_used, "width": self.width, "tokens": tokens,
+            "padding_fraction": 1.0 - tokens / max(1, self.num_rows * self.width)}
+
+
+def plan(length_b: Int[np.ndarray, "B"], width: int, buckets) -> Layout:
+  """Places every sample (first-fit decreasing) and pads the row count up to the smallest fitting bucket."""
+  row_b, start_b, used = first_fit_decreasing(length_b, width)
+  return Layout(row_b, start_b, np.asarray(length_b, np.int64), choose_rows(used, buckets), width, used)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+  """What the packed RL step consumes, on the host: [R, W] arrays plus the layout that maps them back."""
+  layout: Layout
+  tokens_rw: np.ndarray            # int32
+  positions_rw: np.ndarray         # int32, restart at 0 per sample
+  segment_ids_rw: np.ndarray       # int32, 1..k per row, 0 = padding
+  sample_rw: np.ndarray            # int32, index of the sample in the input batch, -1 = padding
+  mask_rw: np.ndarray              # float32, 1 on response tokens
+  advantages_rw: np.ndarray        # float32, the sample's advantage on each of its tokens
+  behaviour_logp_rw: np.ndarray    # float32
+  ref_logp_rw: np.ndarray          # float32
+  version_rw: np.ndarray           # int32
+
+
+def pack_batch(layout: Layout, *, tokens_bt, mask_bt, advantages_b, behaviour_logp_bt, ref_logp_bt,
+               version_bt) -> PackedBatch:
+  """Right-padded TrainBatch fields (host arrays) -> PackedBatch laid out by ``layout``."""
+  i32, f32 = np.int32, np.float32
+  token = lambda name, x, dtype: layout.pack(np.asarray(x, dtype), PAD[name])
+  return PackedBatch(
+      layout=layout, tokens_rw=token("tokens", tokens_bt, i32),
+      positions_rw=layout.positions_rw().astype(i32), segment_ids_rw=layout.segment_ids_rw().astype(i32),
+      sample_rw=layout.pack_per_sample(np.arange(len(layout.length_b)), PAD["sample"]).astype(i32),
+      mask_rw=token("mask", mask_bt, f32),
+      advantages_rw=layout.pack_per_sample(np.asarray(advantages_b, f32), PAD["advantages"]),
+      behaviour_logp_rw=token("behaviour_logp", behaviour_logp_bt, f32),
+      ref_logp_rw=token("ref_logp", ref_logp_bt, f32), version_rw=token("version", version_bt, i32))
+
+
+def unpack_batch(packed: PackedBatch, seq_len: int) -> dict[str, np.ndarray]:
+  """PackedBatch -> right-padded [B, seq_len] fields (advantages as [B]): the inverse of ``pack_batch``."""
+  lay = packed.layout
+  out = {name: lay.unpack(getattr(packed, f"{name}_rw"), seq_len, PAD[name])
+         for name in ("tokens", "mask", "behaviour_logp", "ref_logp", "version")}
+  adv_bt = lay.unpack(packed.advantages_rw, max(1, lay.length_b.max(initial=0)))
+  out["advantages"] = np.where(lay.length_b > 0, adv_bt[:, 0], 0.0).astype(np.float32)
+  return out
+
+
+def lengths_from_mask(mask_bt: Float[np.ndarray, "B T"]) -> Int[np.ndarray, "B"]:
+  """Sample lengths of right-padded rows whose response ends the sample: last masked index + 1 (0 if none)."""
+  mask_bt = np.asarray(mask_bt) != 0
+  last = mask_bt.shape[1] - np.argmax(mask_bt[:, ::-1], axis=1)
+  return np.where(mask_bt.any(axis=1), last, 0).astype(np.int64)

@@ -1,0 +1,162 @@
+"""Engine state for a bounded-staleness scheduler: finish_groups, per-group oldest versions, checkpointing."""
+import functools
+import io
+
+import jax
+import numpy as np
+import pytest
+
+from rl_fusion_jax import models
+from rl_fusion_jax.config import MeshConfig
+from rl_fusion_jax.rollout.engine import Engine, EngineConfig, Request
+from rl_fusion_jax.rollout.generate import GenerateSpec
+from rl_fusion_jax.rollout.sampling import SamplingParams
+from rl_fusion_jax.sharding.mesh import make_mesh
+from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
+
+CFG = models.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                         intermediate_size=64, qkv_bias=True, max_position_embeddings=64)
+P, N, EOS = 6, 10, 20
+SPEC = GenerateSpec(CFG, SamplingParams(1.0), P, N, EOS)
+# 5 groups of 2 on 8 slots: 2 queued at the start. Group 0 ends first (run 1 stops there), sample 2 with
+# it, so group 1 is unreturned at the save point; None: EOS or max_new_tokens ends the sample.
+FORCED = (2, 2, 2, None, 9, 6, 5, None, None, 3)
+FIELDS = ("tokens_bt", "logp_bt", "version_bt", "prompt_len_b", "response_len_b", "finished_b", "sample_id_b")
+
+
+@functools.lru_cache(maxsize=None)
+def setup(mesh_cfg=MeshConfig(data=-1)):
+  mesh = make_mesh(mesh_cfg)
+  shardings = param_shardings(models.abstract_params(CFG), models.param_logical_axes(CFG), mesh,
+                              TRAIN_RULES)
+  return mesh, shardings
+
+
+@functools.lru_cache(maxsize=None)
+def params(seed):
+  return jax.device_put(models.init_params(CFG, jax.random.key(seed), init_std=0.5), setup()[1])
+
+
+def make_engine(spec=SPEC, mesh_cfg=MeshConfig(data=-1), **kw):
+  kw = {"num_slots": 8, "chunk_steps": 2, "group_size": 2, **kw}
+  return Engine(EngineConfig(spec, **kw), *setup(mesh_cfg))
+
+
+def requests(forced, first_id=0):
+  """Samples first_id, first_id + 1, ... in groups of 2 with ``forced`` lengths; prompts of 1..P tokens."""
+  rng = np.random.default_rng(first_id)
+  prompts = [rng.integers(3, 60, size=rng.integers(1, P + 1)) for _ in forced]
+  return [Request(first_id + i, (first_id + i) // 2, p, f) for i, (p, f) in enumerate(zip(prompts, forced))]
+
+
+def first_run():
+  """Engine after run 1 (version 0, one group back): samples queued, in flight and unreturned."""
+  engine = make_engine()
+  engine.add(requests(FORCED))
+  out = engine.run(params(0), 0, target_groups=1)
+  assert engine.num_queued and engine.num_in_flight > 4 and engine.num_unreturned
+  return engine, out
+
+
+def later_runs(engine):
+  return [engine.run(params(1), 1, target_groups=2), engine.run(params(2), 2)]
+
+
+def npz_round_trip(state):
+  for key, value in state.items():      # host values only: numpy arrays and JSON-able scalars
+    assert isinstance(value, (np.ndarray, int, float, bool)) and not isinstance(value, jax.Array), key
+  buf = io.BytesIO()
+  np.savez(buf, **state)
+  buf.seek(0)
+  with np.load(buf, allow_pickle=False) as loaded:
+    return dict(loaded)
+
+
+def test_restored_engine_continues_exactly():
+  engine_a, _ = first_run()
+  state = engine_a.state_dict()
+  saved_in_flight = set(state["flight.sample_id_s"].tolist())
+  versions_at_save = engine_a.group_min_versions()
+  outs_a = later_runs(engine_a)
+
+  engine_b = make_engine()
+  engine_b.load_state_dict(npz_round_trip(state))
+  assert engine_b.group_min_versions() == versions_at_save
+  restored = engine_b.state_dict()      # loading and saving again changes nothing
+  assert restored.keys() == state.keys()
+  for key in state:
+    np.testing.assert_array_equal(restored[key], state[key], err_msg=key)
+  outs_b = later_runs(engine_b)
+
+  for out_a, out_b in zip(outs_a, outs_b):
+    for name in FIELDS:
+      np.testing.assert_array_equal(getattr(out_b.rollout, name), getattr(out_a.rollout, name), err_msg=name)
+    np.testing.assert_array_equal(out_b.group_id_b, out_a.group_id_b)
+    assert out_b.stats["decode_steps"] == out_a.stats["decode_steps"]
+  assert outs_b[0].stats["reprefill_rows"] > 0 and not (engine_b.num_queued or engine_b.num_in_flight)
+  carried = 0     # samples in flight at the save point that hold tokens of more than one version
+  for ro in (o.rollout for o in outs_a):
+    for b, sample_id in enumerate(ro.sample_id_b):
+      start, n = int(ro.prompt_len_b[b]), int(ro.response_len_b[b])
+      carried += sample_id in saved_in_flight and len(set(ro.version_bt[b, start:start + n])) > 1
+  assert carried >= 1
+
+
+def test_load_checks_config_and_freshness():
+  engine, _ = first_run()
+  state = npz_round_trip(engine.state_dict())
+  for kw, field in ((dict(seed=1), "seed"), (dict(group_size=1), "group_size"),
+                    (dict(spec=GenerateSpec(CFG, SamplingParams(1.0), P, N + 2, EOS)), "seq_len"),
+                    (dict(spec=GenerateSpec(CFG, SamplingParams(0.5), P, N, EOS)), "temperature")):
+    with pytest.raises(ValueError, match=field):
+      make_engine(**kw).load_state_dict(state)
+  with pytest.raises(ValueError, match="num_slots"):    # 4 slots over 4 batch shards < the in-flight samples
+    make_engine(mesh_cfg=MeshConfig(data=2, fsdp=2, tensor=2), num_slots=4).load_state_dict(state)
+  with pytest.raises(ValueError, match="fresh"):
+    engine.load_state_dict(state)
+  other = make_engine(chunk_steps=5)    # scheduling fields may differ
+  other.load_state_dict(state)
+  assert other.group_ids() == engine.group_ids() and other.num_in_flight == engine.num_in_flight
+
+
+def versions_of(out):
+  """Per returned group, the oldest version among its generated tokens."""
+  ro, oldest = out.rollout, {}
+  for b, g in enumerate(out.group_id_b.tolist()):
+    start, n = int(ro.prompt_len_b[b]), int(ro.response_len_b[b])
+    oldest[g] = min(oldest.get(g, 1 << 30), int(ro.version_bt[b, start:start + n].min()))
+  return oldest
+
+
+def test_finish_groups_waits_and_returns_every_complete_group():
+  # Forced lengths (EOS ignored) make the schedule exact; chunk_steps=3, queue empty after each refill.
+  engine = make_engine(chunk_steps=3)
+  engine.add(requests((2, 2, 2, 3, 8, 8, 10, 10)))     # groups 0..3
+  first = engine.run(params(0), 5, target_groups=1)     # plain: 3 full steps; groups 0 and 1 complete
+  assert first.group_id_b.tolist() == [0, 0] and first.stats["decode_steps"] == 3
+  assert engine.group_min_versions() == {1: 5, 2: 5, 3: 5}
+  engine.add(requests((10, 10), first_id=8))            # group 4, queued: no token yet
+  assert engine.group_ids() == [1, 2, 3, 4] and engine.group_min_versions()[4] is None
+
+  with pytest.raises(ValueError, match=r"\[7, 9\]"):
+    engine.run(params(1), 7, target_groups=1, finish_groups=[7, 2, 9])
+  for kw in (dict(finish_groups=[2]), dict(target_samples=1, finish_groups=[2])):
+    with pytest.raises(ValueError, match="finish_groups needs target_groups"):
+      engine.run(params(1), 7, **kw)
+
+  # Group 1 is already complete; the run waits for group 2 (5 more steps, the chunk ends right there)
+  # and returns both, in completion order.
+  second = engine.run(params(1), 7, target_groups=1, finish_groups={2})
+  assert second.group_id_b.tolist() == [1, 1, 2, 2] and second.rollout.sample_id_b.tolist() == [2, 3, 4, 5]
+  assert second.stats["decode_steps"] == 5 and versions_of(second) == {1: 5, 2: 5}
+  np.testing.assert_array_equal(second.rollout.version_bt[2:, :P + 8].max(axis=1), 7)
+  assert engine.group_min_versions() == {3: 5, 4: 7} and engine.num_in_flight == 4
+
+  # An empty finish set: two complete groups, then every complete group comes back (3 at step 2, 4 at 5).
+  third = engine.run(params(2), 9, target_groups=2, finish_groups=())
+  assert third.group_id_b.tolist() == [3, 3, 4, 4] and third.stats["decode_steps"] == 5
+  assert versions_of(third) == {3: 5, 4: 7} and engine.group_min_versions() == {}
+
+  engine.add([Request(20, 9, [3])])                    # 1 of group_size=2 samples: can never complete
+  with pytest.raises(ValueError, match="never complete"):
+    engine.run(params(2), 9, target_groups=1, finish_groups=[9])
