@@ -249,6 +249,9 @@ class OptimConfig:
   grad_clip: float = 1.0           # 0 disables
   warmup_steps: int = 0
   micro_batches: int = 1
+  # The RL update on packed rows (several samples per row, train/packing.py): same loss and gradients,
+  # no padding positions; row counts are bucketed, one compile per bucket used.
+  pack_rows: bool = False
 
   def __post_init__(self):
     _require(self.learning_rate > 0, "optim.learning_rate", f"must be > 0, got {self.learning_rate}")
@@ -321,6 +324,8 @@ class ExperimentConfig:
 
   def __post_init__(self):
     r = self.rollout
+    _require(not (self.optim.pack_rows and self.algo.policy_loss == "tis_seq"), "optim.pack_rows",
+             "the sequence-level loss 'tis_seq' sums over a row and cannot take packed rows")
     _require(r.batch_size % self.optim.micro_batches == 0, "optim.micro_batches",
              f"must divide the rollout batch num_prompts * group_size = {r.batch_size}")
     _require(r.seq_len <= self.model.config.max_position_embeddings, "rollout.max_new_tokens",

@@ -42,7 +42,7 @@ def get_config(arg: str = ""):
       is_cap=5.0))
   c.optim = ml_collections.ConfigDict(dict(
       learning_rate=1e-4, b1=0.9, b2=0.99, weight_decay=0.0, grad_clip=1.0, warmup_steps=0,
-      micro_batches=1))
+      micro_batches=1, pack_rows=False))
   c.warmup = ml_collections.ConfigDict(dict(steps=1000, batch_size=64, learning_rate=2e-3,
                                              checkpoint_every=250))
   c.run = ml_collections.ConfigDict(dict(

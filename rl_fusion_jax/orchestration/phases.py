@@ -20,6 +20,7 @@ from rl_fusion_jax.orchestration.setup import Setup
 from rl_fusion_jax.rewards.base import score_batch
 from rl_fusion_jax.rollout.engine import Request
 from rl_fusion_jax.timeline import Timeline
+from rl_fusion_jax.train import packed_step, packing
 from rl_fusion_jax.train import state as state_lib
 from rl_fusion_jax.train import step as step_lib
 from rl_fusion_jax.types import Rollout
@@ -156,6 +157,21 @@ def generation_phase(programs: Programs, state, step: int, timeline: Timeline, r
   return state, result, metrics
 
 
+def _packed_update(setup: Setup, programs: Programs, state, rollout: Rollout, batch):
+  """The update on packed rows: the assembled batch is fetched, packed on the host by the samples' real
+  lengths (first-fit decreasing into rows of ``seq_len``, row count bucketed) and sent shard by shard."""
+  host = jax.device_get(batch)
+  lengths = np.asarray(rollout.prompt_len_b) + np.asarray(rollout.response_len_b)
+  layout = packing.plan(lengths, setup.cfg.rollout.seq_len, programs.row_buckets)
+  packed = packing.pack_batch(layout, tokens_bt=host.tokens_bt, mask_bt=host.mask_bt,
+                              advantages_b=host.advantages_b, behaviour_logp_bt=host.behaviour_logp_bt,
+                              ref_logp_bt=host.ref_logp_bt, version_bt=host.version_bt)
+  state, train_metrics = programs.packed_step(state, packed_step.device_batch(programs.mesh, packed))
+  stats = {"pack/rows": float(layout.num_rows), "pack/rows_used": float(layout.rows_used),
+           "pack/padding_frac": float(1 - lengths.sum() / (layout.num_rows * layout.width))}
+  return state, train_metrics, stats
+
+
 def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int, timeline: Timeline,
                 problems, rollout: Rollout):
   """Reward -> reference -> advantages -> update -> publish on a host batch sorted by sample id."""
@@ -179,7 +195,11 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
   with timeline.phase("train", group=d.train_group, step=step):
     t0 = time.perf_counter()
     batch, batch_stats = programs.assemble(device_rollout, data.to_global(programs.mesh, rewards), ref_logp)
-    state, train_metrics = programs.train_step(state, batch)
+    if programs.packed_step is None:
+      state, train_metrics = programs.train_step(state, batch)
+    else:
+      state, train_metrics, pack_stats = _packed_update(setup, programs, state, rollout, batch)
+      metrics |= pack_stats
     train_metrics, batch_stats = jax.device_get((train_metrics, batch_stats))
     train_s = time.perf_counter() - t0
   with timeline.phase("publish", group=d.train_group, step=step):

@@ -25,6 +25,7 @@ from rl_fusion_jax.rollout.generate import GenerateSpec
 from rl_fusion_jax.rollout.sampling import SamplingParams
 from rl_fusion_jax.sharding import mesh as mesh_lib
 from rl_fusion_jax.sharding.rules import param_shardings
+from rl_fusion_jax.train import packed_step, packing
 from rl_fusion_jax.train import state as state_lib
 from rl_fusion_jax.train import step as step_lib
 from rl_fusion_jax.types import Rollout
@@ -87,6 +88,13 @@ class Programs:
     self.train_step = step_lib.make_rl_step(model_cfg, cfg.algo, temperature, self.tx,
                                             cfg.optim.micro_batches, self.mesh, r.max_new_tokens,
                                             self.state_shardings)
+    self.packed_step, self.row_buckets = None, ()
+    if cfg.optim.pack_rows:
+      self.packed_step = packed_step.make_packed_rl_step(model_cfg, cfg.algo, temperature, self.tx,
+                                                         cfg.optim.micro_batches, self.mesh, r.max_new_tokens,
+                                                         self.state_shardings)
+      multiple = packing.row_multiple(mesh_lib.batch_shards(self.mesh), cfg.optim.micro_batches)
+      self.row_buckets = packing.row_buckets(r.batch_size, multiple, per_doubling=2)
     self.ref_logprobs = step_lib.make_logprob_fn(model_cfg, temperature, self.mesh, self.param_shardings)
     self.assemble = jax.jit(functools.partial(assemble_batch, cfg),
                             out_shardings=(step_lib.batch_shardings(self.mesh),
