@@ -65,13 +65,11 @@ def make_writer(workdir: str, tensorboard: bool = False) -> MultiWriter:
   return MultiWriter(writers)
 
 
-def truncate_metrics(workdir: str, last_step: int | None) -> int:
-  """Keeps the rows of steps <= ``last_step`` (None: none) in metrics.jsonl; returns rows dropped.
+def filter_jsonl(path: str, keep, *, sort_keys: bool = True) -> int:
+  """Keeps the records of a JSON-lines file for which ``keep(record)`` holds; returns lines dropped.
 
-  A resumed run calls this with its checkpoint's step, so every step appears once. A torn last line
-  (a kill mid-write) is dropped. The file is replaced atomically.
+  A torn line (a kill mid-write) is dropped. The file is replaced atomically; a missing file is a no-op.
   """
-  path = os.path.join(workdir, "metrics.jsonl")
   if not os.path.exists(path):
     return 0
   kept, dropped = [], 0
@@ -82,8 +80,8 @@ def truncate_metrics(workdir: str, last_step: int | None) -> int:
       except json.JSONDecodeError:
         dropped += 1
         continue
-      if last_step is not None and record.get("step", math.inf) <= last_step:
-        kept.append(json.dumps(record, sort_keys=True) + "\n")
+      if keep(record):
+        kept.append(json.dumps(record, sort_keys=sort_keys) + "\n")
       else:
         dropped += 1
   tmp = path + ".tmp"
@@ -91,6 +89,15 @@ def truncate_metrics(workdir: str, last_step: int | None) -> int:
     f.writelines(kept)
   os.replace(tmp, path)
   return dropped
+
+
+def truncate_metrics(workdir: str, last_step: int | None) -> int:
+  """Keeps the rows of steps <= ``last_step`` (None: none) in metrics.jsonl; returns rows dropped.
+
+  A resumed run calls this with its checkpoint's step, so every step appears once.
+  """
+  return filter_jsonl(os.path.join(workdir, "metrics.jsonl"),
+                      lambda r: last_step is not None and r.get("step", math.inf) <= last_step)
 
 
 def read_metrics(workdir: str) -> list[dict]:

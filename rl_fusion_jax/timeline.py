@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from rl_fusion_jax.metrics import filter_jsonl
+
 TIMELINE_FILE = "timeline.jsonl"
 
 
@@ -219,27 +221,10 @@ def truncate_file(path: str | os.PathLike, until: float | None) -> int:
   checkpoint (work the resume redoes) appear once. Group lines are kept; a torn last line (a kill
   mid-write) is dropped. The file is replaced atomically.
   """
-  path = os.fspath(path)
-  if not os.path.exists(path):
-    return 0
-  kept, dropped = [], 0
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError:
-        dropped += 1
-        continue
-      time_of = {"phase": record.get("end"), "session": record.get("start")}.get(record.get("kind"))
-      if record.get("kind") == "group" or (until is not None and time_of is not None and time_of <= until):
-        kept.append(json.dumps(record) + "\n")
-      else:
-        dropped += 1
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.writelines(kept)
-  os.replace(tmp, path)
-  return dropped
+  def keep(record: dict) -> bool:
+    time_of = {"phase": record.get("end"), "session": record.get("start")}.get(record.get("kind"))
+    return record.get("kind") == "group" or (until is not None and time_of is not None and time_of <= until)
+  return filter_jsonl(os.fspath(path), keep, sort_keys=False)   # kept lines keep `kind` first
 
 
 # --------------------------------------------------------------------------------------------- loading
