@@ -55,8 +55,8 @@ def main(argv):
   programs = Programs(setup)
   mesh = programs.mesh
   params = phases.init_policy(setup, programs)
-  ref = programs.deployment.place_aux(jax.tree.map(lambda x: x.copy(), params)) \
-      if cfg.algo.needs_reference else None
+  ref = programs.deployment.place_aux(jax.tree.map(lambda x: x.copy(), params),
+                                      programs.ref_param_shardings) if cfg.algo.needs_reference else None
   state = state_lib.create_train_state(params, programs.tx, programs.state_shardings)
   programs.deployment.publish(state.params)
   timeline = Timeline()

@@ -73,10 +73,12 @@ class FusionConfig:
   mode: ``colocated`` (actor training and generation on all devices, parameters resharded between a
   training and a generation layout), ``full`` (colocated, plus reference and reward models on the same
   devices, each on device only while it is used), ``separated`` (a rollout sub-mesh and a training
-  sub-mesh; new weights are sent to the rollout side after each update — the baseline).
+  sub-mesh; new weights are sent to the rollout side after each update — the baseline), ``hybrid`` (the
+  actor colocated on all but ``aux_devices`` devices; the reference and reward models on those).
   """
   mode: str = "colocated"
   rollout_fraction: float = 0.5     # separated: share of the devices given to generation
+  aux_devices: int = 1              # hybrid: devices of the reference / reward-model group
   bucket_bytes: int = 64 << 20      # reshard / offload bucket size
   offload_optimizer: bool = True    # optimizer state to pinned_host while generating
   # Overrides of single entries of the rule tables, e.g. (("embed", "fsdp"),) or (("mlp", None),).
@@ -84,8 +86,10 @@ class FusionConfig:
   generate_rules: tuple = ()
 
   def __post_init__(self):
-    _require(self.mode in ("colocated", "separated", "full"), "fusion.mode",
-             f"must be 'colocated', 'separated' or 'full', got {self.mode!r}")
+    _require(self.mode in ("colocated", "separated", "full", "hybrid"), "fusion.mode",
+             f"must be 'colocated', 'separated', 'full' or 'hybrid', got {self.mode!r}")
+    _require(isinstance(self.aux_devices, int) and self.aux_devices >= 1, "fusion.aux_devices",
+             f"must be an int >= 1, got {self.aux_devices!r}")
     _require(0 < self.rollout_fraction < 1, "fusion.rollout_fraction",
              f"must be in (0, 1), got {self.rollout_fraction}")
     _require(isinstance(self.bucket_bytes, int) and self.bucket_bytes > 0, "fusion.bucket_bytes",
@@ -102,6 +106,13 @@ class FusionConfig:
       raise ConfigError(f"config.fusion.rollout_fraction={self.rollout_fraction} leaves a side empty "
                        f"with {num_devices} devices ({rollout} rollout, {num_devices - rollout} train)")
     return rollout, num_devices - rollout
+
+  def aux_split(self, num_devices: int) -> int:
+    """Devices of the aux group in hybrid mode; raises if the actor would have none."""
+    if not self.aux_devices < num_devices:
+      raise ConfigError(f"config.fusion.aux_devices={self.aux_devices} leaves no device for the actor "
+                        f"with {num_devices} devices")
+    return self.aux_devices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,11 +138,15 @@ class TaskConfig:
   # is added to the verifier's reward. Accuracy metrics always come from the verifier.
   reward_model: str = ""
   reward_model_weight: float = 1.0
+  # Threads that decode and verify finished samples while generation goes on (0: all in the train phase).
+  verify_workers: int = 1
 
   def __post_init__(self):
     _require(isinstance(self.name, str) and bool(self.name), "task.name",
              f"must be a task name, got {self.name!r}")
     _require(self.eval_problems >= 1, "task.eval_problems", f"must be >= 1, got {self.eval_problems}")
+    _require(isinstance(self.verify_workers, int) and self.verify_workers >= 0, "task.verify_workers",
+             f"must be an int >= 0, got {self.verify_workers!r}")
     _require(math.isfinite(self.reward_model_weight), "task.reward_model_weight",
              f"must be finite, got {self.reward_model_weight}")
 
@@ -148,6 +163,10 @@ class RolloutConfig:
   top_p: float = 1.0        # 1.0 disables
   num_slots: int = 0        # engine slots sharing the KV cache (0: one per sample of a step)
   chunk_steps: int = 16     # decode steps per engine call between refills
+  # Benchmarks only: > 0 forces each training sample's response length (EOS ignored) to a clipped
+  # log-normal draw with this median and sigma, seeded by (run.seed, sample id); 0 disables.
+  forced_length_median: int = 0
+  forced_length_sigma: float = 0.8
 
   def __post_init__(self):
     _require(self.num_slots >= 0, "rollout.num_slots", f"must be >= 0, got {self.num_slots}")
@@ -158,6 +177,11 @@ class RolloutConfig:
     _require(self.temperature >= 0, "rollout.temperature", f"must be >= 0, got {self.temperature}")
     _require(self.top_k >= 0, "rollout.top_k", f"must be >= 0, got {self.top_k}")
     _require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+    median, sigma = self.forced_length_median, self.forced_length_sigma
+    _require(isinstance(median, int) and not isinstance(median, bool) and median >= 0,
+             "rollout.forced_length_median", f"must be an int >= 0 (0: off), got {median!r}")
+    _require(isinstance(sigma, (int, float)) and not isinstance(sigma, bool) and math.isfinite(sigma)
+             and sigma >= 0, "rollout.forced_length_sigma", f"must be a finite number >= 0, got {sigma!r}")
 
   @property
   def batch_size(self) -> int:
@@ -346,6 +370,11 @@ class ExperimentConfig:
                f"the rollout batch of {self.rollout.batch_size} must divide over the rollout sub-mesh's "
                f"{rollout_sizes['data']} data replicas")
       rollout_shards = rollout_sizes["data"]
+    if self.fusion.mode == "hybrid":
+      aux = self.fusion.aux_split(num_devices)
+      num_devices -= aux
+      _require(self.rollout.batch_size % aux == 0, "fusion.aux_devices",
+               f"the batch of {self.rollout.batch_size} must divide over the {aux} aux devices")
     sizes = self.mesh.resolve(num_devices)
     rollout_shards = rollout_shards or sizes["data"] * sizes["fsdp"]
     batch_shards = sizes["data"] * sizes["fsdp"]

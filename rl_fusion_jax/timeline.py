@@ -344,3 +344,33 @@ def summarize(data: TimelineData) -> dict[str, GroupSummary]:
   for interval in data.intervals:
     by_group.setdefault(interval.group, []).append(interval)
   return {name: summarize_group(intervals) for name, intervals in by_group.items()}
+
+
+def summarize_window(data: TimelineData, start: int | None = None,
+                     stop: int | None = None) -> dict[str, GroupSummary]:
+  """Per group, the steps ``start <= step < stop`` measured against their common window.
+
+  The window runs from the first start to the last end of those steps' intervals in any group, so a
+  group's `idle_s` also counts the time it waited while another group worked (and host time between
+  phases); every group's `span_s` is the window. Raises if no interval falls in the steps.
+  """
+  selected = select_steps(data, start, stop)
+  if not selected.intervals:
+    raise ValueError(f"no phases in steps [{start}, {stop})")
+  span = max(i.end for i in selected.intervals) - min(i.start for i in selected.intervals)
+  return {name: GroupSummary(s.busy_s, s.busy_total_s, max(span - s.busy_total_s, 0.0), span)
+          for name, s in summarize(selected).items()}
+
+
+def summarize_between(data: TimelineData, start: float, end: float) -> dict[str, GroupSummary]:
+  """Per group, its phases clipped to the time window [start, end] (timeline seconds), whatever their
+  step: every group's `span_s` is the window and `idle_s` the part of it the group ran no phase."""
+  if not end > start:
+    raise ValueError(f"summarize_between: end {end!r} must be after start {start!r}")
+  span = end - start
+  out = {}
+  for name, s in summarize(dataclasses.replace(data, intervals=tuple(
+      dataclasses.replace(i, start=max(i.start, start), end=min(i.end, end))
+      for i in data.intervals if i.end > start and i.start < end))).items():
+    out[name] = GroupSummary(s.busy_s, s.busy_total_s, max(span - s.busy_total_s, 0.0), span)
+  return out

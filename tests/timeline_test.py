@@ -229,6 +229,33 @@ def test_select_steps():
   assert tl.select_steps(data) is data
 
 
+def test_summarize_window_by_hand():
+  # Step 1: rollout generate 3 -> 5, train 6 -> 7; the window is 3 -> 7 = 4 s for every group.
+  summary = tl.summarize_window(_example(), 1, 2)
+  rollout, train, spare = summary["rollout"], summary["train"], summary["spare"]
+  assert (rollout.busy_total_s, rollout.idle_s, rollout.span_s) == (2.0, 2.0, 4.0)
+  assert (train.busy_total_s, train.idle_s, train.span_s) == (1.0, 3.0, 4.0)
+  assert (spare.busy_total_s, spare.idle_s, spare.span_s) == (0.0, 4.0, 4.0)
+  # Steps 0-1: window 0 -> 7; rollout busy 4.5 (the eval without a step is not in the steps).
+  assert tl.summarize_window(_example(), 0, 2)["rollout"].idle_s == pytest.approx(2.5)
+  with pytest.raises(ValueError, match="no phases"):
+    tl.summarize_window(_example(), 5, 6)
+
+
+def test_summarize_between_by_hand():
+  # Window 2.0 -> 6.5 (4.5 s), any step: rollout reward 2.0-2.5 + generate 3.0-5.0 = 2.5 busy;
+  # train 2.5-4.5 (the switch inside counts once) + 6.0-6.5 (clipped) = 2.5 busy; the eval is outside.
+  summary = tl.summarize_between(_example(), 2.0, 6.5)
+  rollout, train, spare = summary["rollout"], summary["train"], summary["spare"]
+  assert (rollout.busy_total_s, rollout.idle_s, rollout.span_s) == (2.5, 2.0, 4.5)
+  assert rollout.busy_s == {"reward": 0.5, "generate": 2.0}
+  assert (train.busy_total_s, train.idle_s, train.span_s) == (2.5, 2.0, 4.5)
+  assert train.busy_s == {"train": 2.5, "switch": 0.5}
+  assert (spare.busy_total_s, spare.idle_s) == (0.0, 4.5)
+  with pytest.raises(ValueError, match="after start"):
+    tl.summarize_between(_example(), 3.0, 3.0)
+
+
 def test_core_imports_neither_jax_nor_matplotlib():
   code = ("import sys, rl_fusion_jax.timeline; "
           "bad = [m for m in ('jax', 'matplotlib', 'numpy') if m in sys.modules]; "

@@ -28,11 +28,12 @@ def get_config(arg: str = ""):
   c.model = model()
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, cpu_devices=0))
   c.fusion = ml_collections.ConfigDict(dict(
-      mode="colocated", rollout_fraction=0.5, bucket_bytes=64 << 20, offload_optimizer=True,
-      train_rules=(), generate_rules=()))
+      mode="colocated", rollout_fraction=0.5, aux_devices=1, bucket_bytes=64 << 20,
+      offload_optimizer=True, train_rules=(), generate_rules=()))
   c.task = ml_collections.ConfigDict(dict(
       name="arithmetic", kwargs=dict(min_digits=1, max_digits=2, ops="+-"), tokenizer="char",
-      eval_seed=10_000, eval_problems=512, reward_model="", reward_model_weight=1.0))
+      eval_seed=10_000, eval_problems=512, reward_model="", reward_model_weight=1.0,
+      verify_workers=1))
   c.rollout = ml_collections.ConfigDict(dict(
       num_prompts=16, group_size=8, max_prompt_len=8, max_new_tokens=6, temperature=1.0, top_k=0,
       top_p=1.0, num_slots=0, chunk_steps=16))

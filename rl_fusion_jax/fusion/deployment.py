@@ -1,21 +1,29 @@
 """Deployment modes: which devices hold which model in which phase, and the moves between phases.
 
-* ``colocated`` (RL Fusion): one mesh over all devices. Before generating, ``to_phase`` reshards the
-  actor from the training layout to the generation layout and offloads the optimizer state to host
-  memory; after generating it reverses both. Reference and reward models stay on device.
-* ``full``: colocated, and the reference and reward models live in host memory, copied to the devices
-  only for the forward pass that needs them and deleted right after.
-* ``separated`` (the baseline): a rollout sub-mesh and a training sub-mesh. The actor trains on its
-  mesh; after each update its weights are sent (bucketed) to the rollout mesh in the generation layout.
+One small class per mode behind one interface (:class:`Deployment`); the loop calls the same methods in
+every mode, so a step's arithmetic is the same everywhere and the modes give the same metrics for the
+same seed (tested):
 
-The loop calls the same four methods in every mode, so a step's arithmetic is the same everywhere and
-the modes give the same metrics for the same seed (tested).
+* :class:`Colocated` (``colocated``, RL Fusion): one mesh over all devices. Before generating,
+  ``to_phase`` reshards the actor from the training layout to the generation layout and offloads the
+  optimizer state to host memory; after generating it reverses both. Reference and reward models stay
+  on the devices.
+* :class:`FullyColocated` (``full``): colocated, and the reference and reward models rest in host memory,
+  copied to the devices only for the forward pass that needs them and deleted right after.
+* :class:`Hybrid` (``hybrid``): the actor colocated on most devices; the reference and reward models live
+  on a small separate device group (``fusion.aux_devices``) and score there. Their programs are
+  dispatched before the host verifies the responses, so the aux group computes while the host works
+  (and, on hardware that runs disjoint device groups at once, while the actor's devices do).
+* :class:`Separated` (``separated``, the baseline): a rollout sub-mesh and a training sub-mesh. The actor
+  trains on its mesh; after each update its weights are sent (bucketed) to the rollout mesh in the
+  generation layout (``rollout_params``).
+
+Auxiliary models (reference, reward) always run on ``aux_mesh``: the training mesh except in hybrid.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
@@ -36,22 +44,33 @@ def merge_rules(base: Rules, overrides) -> Rules:
   return tuple(table.items())
 
 
-@dataclasses.dataclass
+def _devices_of(mesh: Mesh) -> list[int]:
+  return sorted(int(d.id) for d in mesh.devices.flat)
+
+
 class Deployment:
-  """Meshes, layouts and residency of one run. Build with :func:`make_deployment`."""
-  mode: str
-  train_mesh: Mesh
-  rollout_mesh: Mesh
-  layouts: reshard.Layouts              # actor shardings on the training mesh, both phases
-  rollout_param_shardings: Any          # where generation reads the actor's params
-  bucket_bytes: int
-  offload_optimizer: bool
-  groups: dict[str, list[int]]          # timeline lanes: group name -> device ids
-  rollout_group: str
-  train_group: str
-  train_rules: Rules = TRAIN_RULES      # the merged tables (defaults + config overrides)
-  generate_rules: Rules = GENERATE_RULES
-  _rollout_params: Any = None           # separated: the rollout mesh's copy of the weights
+  """Meshes, layouts and residency of one run. Build with :func:`make_deployment`.
+
+  Attributes: ``train_mesh`` (the actor's update), ``rollout_mesh`` (generation), ``aux_mesh``
+  (reference and reward models), ``layouts`` (the actor's shardings on the training mesh in both
+  phases), ``rollout_param_shardings`` (where generation reads the actor's params), ``groups``
+  (timeline lanes: group name -> device ids) and the group each kind of work is recorded under.
+  """
+  mode: ClassVar[str]
+
+  def __init__(self, *, train_mesh: Mesh, rollout_mesh: Mesh, aux_mesh: Mesh, layouts: reshard.Layouts,
+               rollout_param_shardings, bucket_bytes: int, offload_optimizer: bool,
+               train_rules: Rules = TRAIN_RULES, generate_rules: Rules = GENERATE_RULES):
+    self.train_mesh, self.rollout_mesh, self.aux_mesh = train_mesh, rollout_mesh, aux_mesh
+    self.layouts, self.rollout_param_shardings = layouts, rollout_param_shardings
+    self.bucket_bytes, self.offload_optimizer = bucket_bytes, offload_optimizer
+    self.train_rules, self.generate_rules = train_rules, generate_rules
+    self.groups = self._groups()
+
+  def _groups(self) -> dict[str, list[int]]:
+    return {"all": _devices_of(self.train_mesh)}
+
+  rollout_group = train_group = aux_group = "all"
 
   @property
   def train_param_shardings(self):
@@ -61,8 +80,6 @@ class Deployment:
 
   def to_generation(self, state):
     """-> (state, params to generate with, metrics)."""
-    if self.mode == "separated":
-      return state, self._rollout_params, {}
     state, stats = reshard.to_phase(state, reshard.Phase.GENERATE, layouts=self.layouts,
                                     bucket_bytes=self.bucket_bytes,
                                     offload_optimizer=self.offload_optimizer)
@@ -70,54 +87,98 @@ class Deployment:
 
   def to_training(self, state):
     """-> (state in the training layout, metrics)."""
-    if self.mode == "separated":
-      return state, {}
     state, stats = reshard.to_phase(state, reshard.Phase.TRAIN, layouts=self.layouts,
                                     bucket_bytes=self.bucket_bytes,
                                     offload_optimizer=self.offload_optimizer)
     return state, stats.as_metrics("switch/to_train/")
 
   def publish(self, params) -> dict[str, float]:
-    """After an update: separated mode sends the new weights to the rollout mesh."""
-    if self.mode != "separated":
-      return {}
+    """After an update: whatever the rollout side needs to see the new weights (nothing when fused)."""
+    del params
+    return {}
+
+  # --- reference and reward models -----------------------------------------------------------------
+
+  def aux_param_shardings(self, abstract_params, logical_axes):
+    """Shardings of an auxiliary model's params on ``aux_mesh`` (training rule table)."""
+    return param_shardings(abstract_params, logical_axes, self.aux_mesh, self.train_rules)
+
+  def place_aux(self, params, shardings):
+    """Moves an auxiliary model to where it rests between uses: ``shardings`` (on ``aux_mesh``, from
+    ``aux_param_shardings``), in host memory for ``full``. The source arrays are deleted."""
+    shardings = jax.tree.map(self._resting, shardings)
+    return reshard.move(params, shardings, bucket_bytes=self.bucket_bytes, name="aux")[0]
+
+  def _resting(self, sharding):
+    return sharding
+
+  def fetch_aux(self, resting):
+    """Device params for one use: the resident params themselves (``full`` copies them in)."""
+    return resting
+
+  def release_aux(self, fetched, used_by=None) -> None:
+    """Ends one use of ``fetch_aux``'s result; ``full`` waits for ``used_by`` (the outputs computed
+    from it), then deletes the device copy."""
+    del fetched, used_by
+
+
+class Colocated(Deployment):
+  mode = "colocated"
+
+
+class FullyColocated(Colocated):
+  mode = "full"
+
+  def _resting(self, sharding):
+    return sharding.with_memory_kind(reshard.HOST)
+
+  def fetch_aux(self, resting):
+    on_device = jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), resting)
+    return jax.tree.map(jax.device_put, resting, on_device)
+
+  def release_aux(self, fetched, used_by=None) -> None:
+    jax.block_until_ready(used_by)
+    jax.tree.map(lambda x: x.delete(), fetched)
+
+
+class Hybrid(Colocated):
+  mode = "hybrid"
+  aux_group = "aux"
+
+  def _groups(self):
+    return {"all": _devices_of(self.train_mesh), "aux": _devices_of(self.aux_mesh)}
+
+
+class Separated(Deployment):
+  mode = "separated"
+  rollout_group, train_group, aux_group = "rollout", "train", "train"
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.rollout_params = None   # the rollout mesh's copy of the weights, replaced by ``publish``
+
+  def _groups(self):
+    return {"rollout": _devices_of(self.rollout_mesh), "train": _devices_of(self.train_mesh)}
+
+  def to_generation(self, state):
+    return state, self.rollout_params, {}
+
+  def to_training(self, state):
+    return state, {}
+
+  def publish(self, params) -> dict[str, float]:
+    """Sends a copy of the new weights to the rollout mesh (bucketed) and frees the previous copy."""
     start = time.perf_counter()
     copy = jax.tree.map(lambda x: x.copy(), params)   # the training side keeps its own
-    old = self._rollout_params
-    self._rollout_params, nbytes = reshard.move(copy, self.rollout_param_shardings,
-                                                bucket_bytes=self.bucket_bytes, name="params")
+    old = self.rollout_params
+    self.rollout_params, nbytes = reshard.move(copy, self.rollout_param_shardings,
+                                               bucket_bytes=self.bucket_bytes, name="params")
     if old is not None:
       jax.tree.map(lambda x: x.delete(), old)
     return {"sync/seconds": time.perf_counter() - start, "sync/bytes": float(nbytes)}
 
-  # --- reference and reward models -----------------------------------------------------------------
 
-  def place_aux(self, params):
-    """Where an auxiliary model (reference, reward) rests between uses: host in ``full``, else device."""
-    shardings = self.aux_shardings(params)
-    if self.mode == "full":
-      shardings = jax.tree.map(lambda s: s.with_memory_kind(reshard.HOST), shardings)
-    return reshard.move(params, shardings, bucket_bytes=self.bucket_bytes, name="aux")[0]
-
-  def aux_shardings(self, params):
-    """Training-layout shardings on the training mesh for an aux model's params (same logical axes)."""
-    return jax.tree.map(lambda x: x.sharding.with_memory_kind("device")
-                        if x.sharding.memory_kind != "device" else x.sharding, params)
-
-  def fetch_aux(self, resting):
-    """Device copy for one use (``full``), or the resident params themselves."""
-    if self.mode != "full":
-      return resting
-    on_device = jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), resting)
-    return jax.tree.map(jax.device_put, resting, on_device)
-
-  def release_aux(self, fetched) -> None:
-    if self.mode == "full":
-      jax.tree.map(lambda x: x.delete(), fetched)
-
-
-def _devices_of(mesh: Mesh) -> list[int]:
-  return sorted(int(d.id) for d in mesh.devices.flat)
+MODES: dict[str, type[Deployment]] = {c.mode: c for c in (Colocated, FullyColocated, Hybrid, Separated)}
 
 
 def make_deployment(cfg: ExperimentConfig, abstract_params, logical_axes, tx,
@@ -131,9 +192,13 @@ def make_deployment(cfg: ExperimentConfig, abstract_params, logical_axes, tx,
     n_rollout, _ = f.split(len(devices))
     rollout_mesh = mesh_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=cfg.mesh.tensor),
                                       devices[:n_rollout])
-    train_mesh = mesh_lib.make_mesh(cfg.mesh, devices[n_rollout:])
+    train_mesh = aux_mesh = mesh_lib.make_mesh(cfg.mesh, devices[n_rollout:])
+  elif f.mode == "hybrid":
+    n_aux = f.aux_split(len(devices))
+    aux_mesh = mesh_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1), devices[:n_aux])
+    train_mesh = rollout_mesh = mesh_lib.make_mesh(cfg.mesh, devices[n_aux:])
   else:
-    train_mesh = rollout_mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+    train_mesh = rollout_mesh = aux_mesh = mesh_lib.make_mesh(cfg.mesh, devices)
   try:
     layouts = reshard.make_layouts(train_mesh, abstract_params, logical_axes, tx,
                                    train_rules=train_rules, generate_rules=generate_rules)
@@ -141,16 +206,10 @@ def make_deployment(cfg: ExperimentConfig, abstract_params, logical_axes, tx,
                          if f.mode == "separated" else layouts.params[reshard.Phase.GENERATE])
   except ValueError as e:
     raise ValueError(f"config.fusion (rule tables): {e}") from e
-  if f.mode == "separated":
-    groups = {"rollout": _devices_of(rollout_mesh), "train": _devices_of(train_mesh)}
-    rollout_group, train_group = "rollout", "train"
-  else:
-    groups = {"all": _devices_of(train_mesh)}
-    rollout_group = train_group = "all"
-  return Deployment(mode=f.mode, train_mesh=train_mesh, rollout_mesh=rollout_mesh, layouts=layouts,
-                    rollout_param_shardings=rollout_shardings, bucket_bytes=f.bucket_bytes,
-                    offload_optimizer=f.offload_optimizer, groups=groups, rollout_group=rollout_group,
-                    train_group=train_group, train_rules=train_rules, generate_rules=generate_rules)
+  return MODES[f.mode](train_mesh=train_mesh, rollout_mesh=rollout_mesh, aux_mesh=aux_mesh,
+                       layouts=layouts, rollout_param_shardings=rollout_shardings,
+                       bucket_bytes=f.bucket_bytes, offload_optimizer=f.offload_optimizer,
+                       train_rules=train_rules, generate_rules=generate_rules)
 
 
 def check_rules(cfg: ExperimentConfig, num_devices: int) -> None:

@@ -153,7 +153,7 @@ def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ck
     state, ref, before = _warm_start(setup, programs, restored, warm_ckpt, timeline, evaluate)
     start, data_position, last_eval = 0, 0, {"step": 0, **before}
     writer.write(0, {f"eval/{k}": v for k, v in before.items()})
-  ref_resting = d.place_aux(ref) if ref is not None else None
+  ref_resting = d.place_aux(ref, programs.ref_param_shardings) if ref is not None else None
 
   def save(step: int):
     with timeline.phase("checkpoint", group=d.train_group, step=step):

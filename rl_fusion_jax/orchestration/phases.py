@@ -5,8 +5,10 @@ a step's data once, to decode and score the responses; everything else stays on 
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ from rl_fusion_jax.orchestration import data
 from rl_fusion_jax.orchestration.programs import Programs
 from rl_fusion_jax.orchestration.setup import Setup
 from rl_fusion_jax.rewards.base import score_batch
+from rl_fusion_jax.rollout import workload
 from rl_fusion_jax.rollout.engine import Request
 from rl_fusion_jax.timeline import Timeline
 from rl_fusion_jax.train import packed_step, packing
@@ -81,11 +84,31 @@ def warmup(setup: Setup, programs: Programs, params, *, state=None, save=None, g
   return state.params
 
 
-def requests(tokenizer, problems, width: int, group_size: int, first_id: int, first_group: int):
+def forced_lengths(cfg) -> Callable[[int], int] | None:
+  """sample id -> forced response length under ``rollout.forced_length_*`` (None when off).
+
+  A clipped log-normal draw (``workload.long_tail_lengths``) from a generator seeded with
+  (run.seed, sample id): every schedule gives a sample the same length.
+  """
+  r = cfg.rollout
+  if not r.forced_length_median:
+    return None
+
+  def length(sample_id: int) -> int:
+    rng = np.random.default_rng((cfg.run.seed, sample_id))
+    return int(workload.long_tail_lengths(rng, 1, median=r.forced_length_median,
+                                          sigma=r.forced_length_sigma, max_len=r.max_new_tokens)[0])
+  return length
+
+
+def requests(tokenizer, problems, width: int, group_size: int, first_id: int, first_group: int, *,
+             forced_len: Callable[[int], int] | None = None):
+  """``group_size`` requests per problem; ``forced_len(sample_id)`` forces response lengths (None: EOS)."""
   prompts, lens = data.encode_prompts(tokenizer, problems, width)
-  return [Request(sample_id=first_id + i * group_size + g, group_id=first_group + i,
-                  prompt=prompts[i, :lens[i]])
-          for i in range(len(problems)) for g in range(group_size)]
+  ids = [(first_id + i * group_size + g, i) for i in range(len(problems)) for g in range(group_size)]
+  return [Request(sample_id=sid, group_id=first_group + i, prompt=prompts[i, :lens[i]],
+                  forced_len=None if forced_len is None else forced_len(sid))
+          for sid, i in ids]
 
 
 def by_sample_id(rollout: Rollout) -> Rollout:
@@ -108,24 +131,38 @@ def evaluate(setup: Setup, programs: Programs, gen_params, round_index: int) -> 
           "reward": float(np.mean(rewards))}
 
 
-def _rewards(setup: Setup, programs: Programs, problems, rollout: Rollout, tokens_bt, timeline, step):
-  """Verifier rewards on the host, plus the learned reward model's score when one is configured."""
-  g = setup.cfg.rollout.group_size
-  texts = data.decode_responses(setup.tokenizer, rollout.tokens_bt, rollout.prompt_len_b,
-                                rollout.response_len_b)
-  rewards, fmt, correct = score_batch(setup.train_task, [p for p in problems for _ in range(g)], texts)
-  out = {"accuracy": float(correct.mean()), "format_rate": float(fmt.mean())}
-  if programs.reward_model is not None:
-    score_fn, resting = programs.reward_model
-    with timeline.phase("reward_model", group=programs.deployment.train_group, step=step):
-      params = programs.deployment.fetch_aux(resting)
-      lengths = rollout.prompt_len_b + rollout.response_len_b
-      rm_b = np.asarray(score_fn(params, tokens_bt, data.to_global(programs.mesh, lengths)))
-      programs.deployment.release_aux(params)
-    rewards = rewards + setup.cfg.task.reward_model_weight * rm_b
-    out["reward_model_score"] = float(rm_b.mean())
-  out["reward"] = float(rewards.mean())
-  return rewards.astype(np.float32), out
+class _AuxCall:
+  """One forward pass of an auxiliary model dispatched on the aux mesh without waiting for it.
+
+  ``result()`` blocks, releases the fetched params and records the interval from dispatch to the moment
+  the output was ready (observed by a waiter thread) on the timeline under the aux group.
+  """
+
+  def __init__(self, name: str, programs: Programs, timeline: Timeline, step: int, fn, resting, *args):
+    d = programs.deployment
+    self.name, self.d, self.timeline, self.step = name, d, timeline, step
+    self.start = timeline.now()
+    self.params = d.fetch_aux(resting)
+    self.out = fn(self.params, *args)
+    self._ready = _WAITER.submit(lambda out: (jax.block_until_ready(out), timeline.now())[1], self.out)
+
+  def result(self):
+    end = self._ready.result()
+    self.d.release_aux(self.params, used_by=self.out)
+    self.timeline.record(self.name, self.start, end, group=self.d.aux_group, step=self.step)
+    return self.out
+
+
+_WAITER = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="aux-ready")
+
+
+def _on_aux(programs: Programs, device_rollout: Rollout, rollout: Rollout):
+  """(tokens [B, T], lengths [B]) on the aux mesh (the training batch itself when that is the same mesh)."""
+  if programs.aux_mesh is programs.mesh:
+    tokens = device_rollout.tokens_bt
+  else:
+    tokens = data.to_global(programs.aux_mesh, rollout.tokens_bt)
+  return tokens, data.to_global(programs.aux_mesh, rollout.prompt_len_b + rollout.response_len_b)
 
 
 def kv_cache_bytes(cfg) -> int:
@@ -173,22 +210,41 @@ def _packed_update(setup: Setup, programs: Programs, state, rollout: Rollout, ba
 
 
 def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int, timeline: Timeline,
-                problems, rollout: Rollout):
-  """Reward -> reference -> advantages -> update -> publish on a host batch sorted by sample id."""
+                problems, rollout: Rollout, device_rollout: Rollout | None = None):
+  """Reward -> reference -> advantages -> update -> publish on a host batch sorted by sample id.
+
+  The reference and reward-model forward passes are dispatched first, on the aux mesh, and run while
+  the host verifies the responses (most of them already verified during generation by
+  ``programs.verify``); the update waits for both. ``device_rollout``: the same batch already on the
+  training mesh (e.g. read from the queue per data-parallel group); default: built from ``rollout``.
+  """
   cfg, d = setup.cfg, programs.deployment
-  device_rollout = jax.tree.map(lambda x: data.to_global(programs.mesh, x), rollout)
+  if device_rollout is None:
+    device_rollout = jax.tree.map(lambda x: data.to_global(programs.mesh, x), rollout)
   metrics = {}
-  with timeline.phase("reward", group=d.train_group, step=step):
-    t0 = time.perf_counter()
-    rewards, m = _rewards(setup, programs, problems, rollout, device_rollout.tokens_bt, timeline, step)
-    metrics |= m
-    reward_s = time.perf_counter() - t0
   t0 = time.perf_counter()
+  aux_tokens, aux_lengths = _on_aux(programs, device_rollout, rollout)
+  ref_call = rm_call = None
   if cfg.algo.needs_reference:
-    with timeline.phase("reference", group=d.train_group, step=step):
-      ref_params = d.fetch_aux(ref_resting)
-      ref_logp = programs.ref_logprobs(ref_params, device_rollout.tokens_bt).block_until_ready()
-      d.release_aux(ref_params)
+    ref_call = _AuxCall("reference", programs, timeline, step, programs.ref_logprobs, ref_resting, aux_tokens)
+  if programs.reward_model is not None:
+    score_fn, rm_resting = programs.reward_model
+    rm_call = _AuxCall("reward_model", programs, timeline, step, score_fn, rm_resting, aux_tokens,
+                       aux_lengths)
+  with timeline.phase("reward", group=d.train_group, step=step):
+    rewards, fmt, correct, m = programs.verify.scores(rollout, problems)
+    metrics |= m | {"accuracy": float(correct.mean()), "format_rate": float(fmt.mean())}
+    if rm_call is not None:
+      rm_b = np.asarray(rm_call.result())
+      rewards = (rewards + cfg.task.reward_model_weight * rm_b).astype(np.float32)
+      metrics["reward_model_score"] = float(rm_b.mean())
+    metrics["reward"] = float(rewards.mean())
+  reward_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  if ref_call is not None:
+    ref_logp = ref_call.result()
+    if programs.aux_mesh is not programs.mesh:
+      ref_logp = jax.device_put(ref_logp, device_rollout.logp_bt.sharding)
   else:
     ref_logp = jnp.zeros_like(device_rollout.logp_bt)   # unused when kl_coef == 0
   ref_s = time.perf_counter() - t0
@@ -229,7 +285,7 @@ def rl_step(setup: Setup, programs: Programs, state, ref_resting, step: int, tim
   first = step * r.num_prompts if data_position is None else data_position
   problems = [setup.train_task.problem(first + i) for i in range(r.num_prompts)]
   programs.engine.add(requests(setup.tokenizer, problems, r.max_prompt_len, r.group_size,
-                               first * r.group_size, first))
+                               first * r.group_size, first, forced_len=forced_lengths(setup.cfg)))
   state, result, metrics = generation_phase(programs, state, step, timeline,
                                             lambda params: programs.engine.run(params, step))
   state, m = train_phase(setup, programs, state, ref_resting, step, timeline, problems,

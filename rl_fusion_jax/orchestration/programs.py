@@ -1,9 +1,11 @@
 """The compiled device programs of a run and the placement they agree on.
 
 Built once per run from a validated Setup: the deployment (meshes, layouts, residency), the generation
-engines (sampling and greedy evaluation) on the rollout mesh, and on the training mesh the RL update,
-the reference log-probs, the reward-model score and the batch assembly. Every program has fixed shapes
-and explicit shardings, so each compiles once.
+engines (sampling and greedy evaluation) on the rollout mesh, on the training mesh the RL update and
+the batch assembly, and on the aux mesh (the training mesh unless ``fusion.mode=hybrid``) the reference
+log-probs and the reward-model score. Every program has fixed shapes and explicit shardings, so each
+compiles once. The host stage that verifies finished samples during generation (``verify``) is
+attached to the sampling engine here.
 """
 from __future__ import annotations
 
@@ -19,12 +21,12 @@ from rl_fusion_jax.algorithms import batch as algo_batch
 from rl_fusion_jax.config import ExperimentConfig
 from rl_fusion_jax.fusion.deployment import make_deployment
 from rl_fusion_jax.models import reward_model
+from rl_fusion_jax.orchestration.host_stages import VerifyStage
 from rl_fusion_jax.orchestration.setup import Setup
 from rl_fusion_jax.rollout.engine import Engine, EngineConfig
 from rl_fusion_jax.rollout.generate import GenerateSpec
 from rl_fusion_jax.rollout.sampling import SamplingParams
 from rl_fusion_jax.sharding import mesh as mesh_lib
-from rl_fusion_jax.sharding.rules import param_shardings
 from rl_fusion_jax.train import packed_step, packing
 from rl_fusion_jax.train import state as state_lib
 from rl_fusion_jax.train import step as step_lib
@@ -95,24 +97,31 @@ class Programs:
                                                          self.state_shardings)
       multiple = packing.row_multiple(mesh_lib.batch_shards(self.mesh), cfg.optim.micro_batches)
       self.row_buckets = packing.row_buckets(r.batch_size, multiple, per_doubling=2)
-    self.ref_logprobs = step_lib.make_logprob_fn(model_cfg, temperature, self.mesh, self.param_shardings)
+    # Reference and reward models run on the deployment's aux mesh (the training mesh unless hybrid).
+    self.aux_mesh = d.aux_mesh
+    self.ref_param_shardings = (self.param_shardings if d.aux_mesh is self.mesh else
+                                d.aux_param_shardings(models.abstract_params(model_cfg),
+                                                      models.param_logical_axes(model_cfg)))
+    self.ref_logprobs = step_lib.make_logprob_fn(model_cfg, temperature, d.aux_mesh, self.ref_param_shardings)
     self.assemble = jax.jit(functools.partial(assemble_batch, cfg),
                             out_shardings=(step_lib.batch_shardings(self.mesh),
                                            mesh_lib.replicated(self.mesh)))
     self.reward_model = self._reward_model(setup)
+    self.verify = VerifyStage(setup.train_task, setup.tokenizer, r.group_size, cfg.task.verify_workers)
+    self.engine.on_finished = self.verify.submit
 
   def _reward_model(self, setup: Setup):
     """(score fn, resting params) of the learned reward model on the training mesh, or None."""
     if setup.reward_model is None:
       return None
     rm_cfg, host_params = setup.reward_model
-    shardings = param_shardings(reward_model.abstract_reward_params(rm_cfg),
-                                reward_model.reward_logical_axes(rm_cfg), self.mesh,
-                                self.deployment.train_rules)
-    b1, b2 = mesh_lib.batch_sharding(self.mesh, 1), mesh_lib.batch_sharding(self.mesh, 2)
+    d = self.deployment
+    shardings = d.aux_param_shardings(reward_model.abstract_reward_params(rm_cfg),
+                                      reward_model.reward_logical_axes(rm_cfg))
+    b1, b2 = mesh_lib.batch_sharding(d.aux_mesh, 1), mesh_lib.batch_sharding(d.aux_mesh, 2)
     fn = jax.jit(functools.partial(reward_model.score, rm_cfg), in_shardings=(shardings, b2, b1),
                  out_shardings=b1)
-    return fn, self.deployment.place_aux(jax.device_put(host_params, shardings))
+    return fn, d.place_aux(jax.device_put(host_params, shardings), shardings)
 
 
 def _eval_slots(cfg: ExperimentConfig) -> int:

@@ -28,7 +28,8 @@ from rl_fusion_jax.orchestration import phases
 from rl_fusion_jax.orchestration.programs import Programs
 from rl_fusion_jax.orchestration.setup import Setup
 from rl_fusion_jax.queue.staleness import Candidate, admit
-from rl_fusion_jax.queue.distqueue import DistQueue, FieldSpec, unpack
+from rl_fusion_jax.queue.distqueue import Batch, DistQueue, FieldSpec, unpack
+from rl_fusion_jax.queue.global_batch import queue_arrays
 from rl_fusion_jax.timeline import Timeline
 from rl_fusion_jax.types import Rollout
 
@@ -36,6 +37,7 @@ TOKEN_FIELDS = (("tokens", np.int32), ("logp", np.float32), ("version", np.int32
 SAMPLE_FIELDS = (("prompt_len", np.int32), ("response_len", np.int32), ("finished", np.bool_),
                  ("sample_id", np.int32), ("group_id", np.int32), ("min_version", np.int32))
 CONSUMER = "train"
+PADS = {"tokens": 0, "logp": 0.0, "version": -1}   # what a fixed-width row holds past its length
 
 
 def make_queue(setup: Setup) -> DistQueue:
@@ -81,7 +83,7 @@ class StaleSync:
       first = self.data_position
       problems = [self.setup.train_task.problem(first + i) for i in range(new)]
       engine.add(phases.requests(self.setup.tokenizer, problems, r.max_prompt_len, r.group_size,
-                                 first * r.group_size, first))
+                                 first * r.group_size, first, forced_len=phases.forced_lengths(self.setup.cfg)))
       self.data_position += new
     return new
 
@@ -89,6 +91,7 @@ class StaleSync:
     stale = {g: idx for g, (v, idx) in self._waiting().items() if learner - v > self.s}
     for g in sorted(stale):
       self.queue.drop(stale[g], reason="stale")
+      self.programs.verify.forget(stale[g])        # queue indices are sample ids
     self.counters["discarded_groups"] += len(stale)
     return len(stale)
 
@@ -105,14 +108,35 @@ class StaleSync:
                    sample_id=rollout.sample_id_b, group_id=rollout.sample_id_b // self.r.group_size,
                    min_version=min_version, block=False)
 
-  def _read(self, indices) -> Rollout:
-    """The admitted samples as a fixed-width host Rollout, sorted by sample id."""
-    batch = self.queue.read(CONSUMER, np.sort(np.asarray(indices, np.int64)))
-    width = self.r.seq_len
-    return Rollout(tokens_bt=unpack(batch["tokens"], width, 0), prompt_len_b=batch["prompt_len"],
-                   response_len_b=batch["response_len"], logp_bt=unpack(batch["logp"], width, 0.0),
-                   version_bt=unpack(batch["version"], width, -1), finished_b=batch["finished"],
-                   sample_id_b=batch["sample_id"])
+  def _read(self, indices) -> tuple[Rollout, Rollout]:
+    """The admitted samples, sorted by sample id: (host Rollout, device Rollout on the training mesh).
+
+    The device batch is built by ``queue_arrays``: one queue read per data-parallel group of this
+    process's devices, each group's rows padded from their packed form on their own (no padded copy of
+    the whole batch is built to be split). The host Rollout, for verification and statistics, is unpacked
+    from the same reads (in one process these are all the rows)."""
+    order = np.sort(np.asarray(indices, np.int64))
+    reads: list[Batch] = []
+
+    def read(part):
+      reads.append(self.queue.read(CONSUMER, part))
+      return reads[-1]
+
+    arrays = queue_arrays(self.programs.mesh, read, order, self.r.seq_len, pads=PADS)
+    device = Rollout(tokens_bt=arrays["tokens"], prompt_len_b=arrays["prompt_len"],
+                     response_len_b=arrays["response_len"], logp_bt=arrays["logp"],
+                     version_bt=arrays["version"], finished_b=arrays["finished"],
+                     sample_id_b=arrays["sample_id"])
+    reads.sort(key=lambda b: int(b.indices[0]))
+    if sum(len(b) for b in reads) != len(order):
+      raise RuntimeError("StaleSync: this process's queue reads do not cover the batch (several processes "
+                         "are not supported by the StaleSync loop yet)")
+    width, cat = self.r.seq_len, lambda name: np.concatenate([b.sample[name] for b in reads])
+    tokens = lambda name: np.concatenate([unpack(b.tokens[name], width, PADS[name]) for b in reads])
+    host = Rollout(tokens_bt=tokens("tokens"), prompt_len_b=cat("prompt_len"),
+                   response_len_b=cat("response_len"), logp_bt=tokens("logp"), version_bt=tokens("version"),
+                   finished_b=cat("finished"), sample_id_b=cat("sample_id"))
+    return host, device
 
   # -- one step ----------------------------------------------------------------------------------------
 
@@ -161,10 +185,10 @@ class StaleSync:
     state, metrics = self._generate(state, step, timeline)
     groups, indices, adm_metrics = self._admit(step)
     depth_before = self.queue.stats().get("depth", 0.0)
-    rollout = self._read(indices)
+    rollout, device_rollout = self._read(indices)
     problems = [self.setup.train_task.problem(g) for g in groups]
     state, m = phases.train_phase(self.setup, self.programs, state, ref_resting, step, timeline, problems,
-                                  rollout)
+                                  rollout, device_rollout)
     self.counters["trained_groups"] += len(groups)
     versions = [rollout.version_bt[b, p:p + n] for b, (p, n) in
                 enumerate(zip(rollout.prompt_len_b, rollout.response_len_b))]

@@ -42,7 +42,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
@@ -165,6 +165,9 @@ class Engine:
     self._group_added: collections.Counter = collections.Counter()
     self._group_returned: collections.Counter = collections.Counter()
     self._chunks = 0
+    # Called with (host Rollout, group ids) of the samples that finished in the last chunk, as soon as
+    # they are collected (e.g. to start scoring them while the next chunks decode); must not block.
+    self.on_finished: Callable[[Rollout, np.ndarray], None] | None = None
 
   # -- queue -----------------------------------------------------------------------------------------
 
@@ -441,11 +444,16 @@ class Engine:
   def _collect(self) -> None:
     """Moves every occupied slot that is done (as of the last fetch) to the finished list."""
     done = [s for s, r in enumerate(self._occupant) if r is not None and self._host.done_s[s]]
+    new = []
     for s in sorted(done, key=lambda s: self._occupant[s].sample_id):
       request = self._occupant[s]
       row = {name: np.array(getattr(self._host, name)[s]) for name in _ROW_FIELDS}
-      self._finished.append(_Finished((self._chunks, request.sample_id), request.group_id, row))
+      new.append(_Finished((self._chunks, request.sample_id), request.group_id, row))
       self._occupant[s] = None
+    self._finished.extend(new)
+    if new and self.on_finished is not None:
+      self.on_finished(_stack([f.row for f in new], self.cfg.spec.seq_len),
+                       np.asarray([f.group_id for f in new], np.int32))
 
   def _refill(self, params, stats) -> None:
     free = [s for s, r in enumerate(self._occupant) if r is None]

@@ -1,0 +1,91 @@
+"""One process of a two-process async separated run (tests/separated_test.py), or its one-process reference.
+
+  python -m rl_fusion_jax.testing.separated_worker PORT PROCESS_ID WORKDIR [name=value ...]
+
+PROCESS_ID 0 / 1: the rollout / training side of ``orchestration.separated.run`` on ``devices`` CPU
+devices, joined with the other process by jax.distributed on 127.0.0.1:PORT. PROCESS_ID ``sync``: the
+synchronous one-process loop (``loop.run``, PORT unused) on 2 x ``devices`` devices with
+fusion.mode=separated and rollout_fraction=0.5, i.e. the same rollout and training mesh shapes.
+
+Options (defaults in ``OPTIONS``): devices, steps, staleness, schedule (reproducible | opportunistic),
+transport (collective | kv), warmup (warm-up steps), new_tokens (rollout.max_new_tokens). Prints one JSON
+line: the run's summary.
+"""
+import json
+import os
+import sys
+
+OPTIONS = {"devices": 2, "steps": 3, "staleness": 0, "schedule": "reproducible", "transport": "kv",
+           "warmup": 15, "new_tokens": 6}
+
+
+def experiment(opts: dict, sync: bool = False):
+  """The tiny experiment (testing/experiments.py) in separated mode, with a reference model (kl > 0)."""
+  from rl_fusion_jax.testing.experiments import tiny
+  return tiny(**{"fusion.mode": "separated", "fusion.rollout_fraction": 0.5, "algo.kl_coef": 0.05,
+                 "run.steps": int(opts["steps"]), "run.checkpoint_every": 0,
+                 "rollout.max_new_tokens": int(opts["new_tokens"]), "model.max_position_embeddings": 32,
+                 "warmup.steps": int(opts["warmup"]), "warmup.learning_rate": 6e-3, "stalesync.enabled": not sync,
+                 "stalesync.max_staleness": int(opts["staleness"])})
+
+
+def parse(argv) -> dict:
+  opts = dict(OPTIONS)
+  for arg in argv:
+    name, _, value = arg.partition("=")
+    if name not in opts:
+      raise SystemExit(f"unknown option {name!r}; known: {sorted(opts)}")
+    opts[name] = value
+  return opts
+
+
+def write_cache_from_every_process() -> None:
+  """Lets this process write persistent compilation-cache entries (test speed only).
+
+  JAX writes them from process 0 alone, since the processes of one SPMD program compile the same thing.
+  Here each process compiles its own side's programs, so without this the training process would
+  recompile its warm-up and update in every run (~50 s on 2 cores). Private JAX API: a no-op if it moved.
+  """
+  from jax._src import compiler, distributed
+  original = getattr(compiler, "_cache_write", None)
+  if original is None or not hasattr(distributed.global_state, "process_id"):
+    return
+
+  def write(*args, **kwargs):
+    state = distributed.global_state
+    saved, state.process_id = state.process_id, 0
+    try:
+      return original(*args, **kwargs)
+    finally:
+      state.process_id = saved
+  compiler._cache_write = write
+
+
+def main(port: int, process: str, workdir: str, opts: dict) -> None:
+  import jax
+  jax.config.update("jax_compilation_cache_dir", os.environ.get(
+      "RLFJ_TEST_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rl_fusion_jax_tests")))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  if process == "sync":
+    from rl_fusion_jax.orchestration import loop
+    summary = loop.run(experiment(opts, sync=True), workdir)
+  else:
+    from rl_fusion_jax.orchestration import separated
+    separated.initialize(f"127.0.0.1:{port}", int(process), opts["transport"])
+    write_cache_from_every_process()
+    options = separated.Options(reproducible=opts["schedule"] == "reproducible",
+                                weight_transport=opts["transport"], timeout_s=180.0)
+    summary = separated.run(experiment(opts), workdir, options)
+  print(json.dumps(summary), flush=True)
+  if process != "sync":
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  # Set before the backend starts (importing jax does not start it); never when imported by a test.
+  _opts = parse(sys.argv[4:])
+  _count = int(_opts["devices"]) * (2 if sys.argv[2] == "sync" else 1)
+  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={_count}"
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  main(int(sys.argv[1]), sys.argv[2], sys.argv[3], _opts)
