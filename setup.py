@@ -28,5 +28,8 @@ setuptools.setup(
         "fixtures": ["torch>=2.3", "transformers>=4.45"],
         "tensorboard": ["tensorboardX>=2.6"],
         "plot": ["matplotlib>=3.8"],
+        # The TRL side of experiments/benchmark_vs_trl.py (experiments/trl_tiny_grpo.py), in its own
+        # environment; the versions it was measured with are in BENCHMARKS.md.
+        "trl_bench": ["torch>=2.13", "transformers>=5.24", "trl>=1.16", "datasets>=5.2", "accelerate>=1.15"],
     },
 )

@@ -5,6 +5,10 @@ r"""Step-time benchmark of the GRPO loop: warm-up steps, then N measured steps, 
 Prints median step time and per-phase seconds and tokens/s (generate, train, overhead = everything else:
 host scoring, reference log-probs, batch assembly), plus the first step's time (compile included; the
 persistent compilation cache makes later runs' first step fast).
+
+With --turn_steps=N the binary takes turns with another process (experiments/turns.py, driven by
+experiments/benchmark_vs_trl.py): it ends a turn after the warm-up and after every N measured steps,
+reporting those steps' seconds, and waits on stdin before going on.
 """
 import json
 import statistics
@@ -14,13 +18,28 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import common
+import turns
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
 _STEPS = flags.DEFINE_integer("steps", 10, "Measured steps.")
 _WARMUP = flags.DEFINE_integer("warmup_steps", 2, "Unmeasured steps after the first one.")
 _CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/rl_fusion_jax/jax_cache",
                              "Persistent XLA compilation cache ('' disables).")
+_TURN_STEPS = flags.DEFINE_integer("turn_steps", 0, "Take turns: wait on stdin after the warm-up and "
+                                   "after every N measured steps (0: never).")
 flags.mark_flags_as_required(["config"])
+
+# Per-step figures a turn reports.
+TURN_KEYS = ("step_s", "generate_s", "reward_s", "ref_s", "train_s", "switch/to_generate/seconds",
+             "switch/to_train/seconds", "response_len_mean")
+
+
+def maybe_end_turn(done: int, rows: list[dict]) -> None:
+  """With --turn_steps, ends a turn once the warm-up and each block of measured steps are done."""
+  n, warm = _TURN_STEPS.value, _WARMUP.value
+  if n and done >= warm and (done - warm) % n == 0:
+    block = rows[len(rows) - n:] if done > warm else []
+    turns.end_turn({"steps": [{k: r[k] for k in TURN_KEYS if k in r} for r in block]})
 
 
 def model_flops(cfg, response_len_mean: float) -> dict[str, float]:
@@ -66,10 +85,12 @@ def main(argv):
   state, first = phases.rl_step(setup, programs, state, ref, 0, timeline)
   first_s = time.perf_counter() - t0
   rows = []
+  maybe_end_turn(0, rows)
   for step in range(1, 1 + _WARMUP.value + _STEPS.value):
     state, m = phases.rl_step(setup, programs, state, ref, step, timeline)
     if step > _WARMUP.value:
       rows.append(m)
+    maybe_end_turn(step, rows)
   for r in rows:
     r["overhead_s"] = r["step_s"] - r["generate_s"] - r["train_s"]
   med = lambda k: statistics.median(r[k] for r in rows)

@@ -133,10 +133,19 @@ class Projection(nnx.Module):
       self.bias = make_param(rngs, bias_init, shape[1:], axes[1:], dtype)
 
   def __call__(self, x: jax.Array, spec: str, dtype) -> jax.Array:
-    y = jnp.einsum(spec, x.astype(dtype), self.kernel[...].astype(dtype))
+    """``einsum(spec, x, kernel)`` for a ``spec`` whose input and output both start with ``BT``: batch and
+    time are merged into one row axis first, so every projection is a 2-D-by-kernel contraction (its
+    weight gradient contracts over one axis, which XLA lowers without a transposed copy)."""
+    lhs, rest = spec.split(",")
+    kernel_spec, out = rest.split("->")
+    if not (lhs.startswith("BT") and out.startswith("BT")):
+      raise ValueError(f"Projection: spec {spec!r} must map BT... to BT...")
+    b, t = x.shape[:2]
+    rows = x.reshape((b * t,) + x.shape[2:]).astype(dtype)
+    y = jnp.einsum(f"M{lhs[2:]},{kernel_spec}->M{out[2:]}", rows, self.kernel[...].astype(dtype))
     if hasattr(self, "bias"):
       y = y + self.bias[...].astype(dtype)
-    return y
+    return y.reshape((b, t) + y.shape[1:])
 
 
 class MLP(nnx.Module):
