@@ -128,6 +128,7 @@ def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False,
     rl_ckpt.close()
     warm_ckpt.close()
     writer.close()
+    programs.verify.close()   # the verify stage's worker threads end with the run
   write_json_atomic(os.path.join(workdir, "summary.json"), summary)
   logging.info("accuracy before RL %.3f -> after RL %.3f", summary["accuracy_before"],
                summary["accuracy_after"])
