@@ -12,8 +12,8 @@ same seed (tested):
   copied to the devices only for the forward pass that needs them and deleted right after.
 * :class:`Hybrid` (``hybrid``): the actor colocated on most devices; the reference and reward models live
   on a small separate device group (``fusion.aux_devices``) and score there. Their programs are
-  dispatched before the host verifies the responses, so the aux group computes while the host works
-  (and, on hardware that runs disjoint device groups at once, while the actor's devices do).
+  dispatched before the host verifies the responses, so the aux group computes while the host works;
+  the update waits for both.
 * :class:`Separated` (``separated``, the baseline): a rollout sub-mesh and a training sub-mesh. The actor
   trains on its mesh; after each update its weights are sent (bucketed) to the rollout mesh in the
   generation layout (``rollout_params``).
@@ -23,7 +23,7 @@ Auxiliary models (reference, reward) always run on ``aux_mesh``: the training me
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax
 import numpy as np

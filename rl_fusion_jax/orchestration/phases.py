@@ -156,13 +156,12 @@ class _AuxCall:
 _WAITER = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="aux-ready")
 
 
-def _on_aux(programs: Programs, device_rollout: Rollout, rollout: Rollout):
-  """(tokens [B, T], lengths [B]) on the aux mesh (the training batch itself when that is the same mesh)."""
-  if programs.aux_mesh is programs.mesh:
-    tokens = device_rollout.tokens_bt
-  else:
-    tokens = data.to_global(programs.aux_mesh, rollout.tokens_bt)
-  return tokens, data.to_global(programs.aux_mesh, rollout.prompt_len_b + rollout.response_len_b)
+def _on_aux(programs: Programs, on_train_mesh, host):
+  """``host`` [B, ...] on the aux mesh: ``on_train_mesh`` (its copy on the training mesh, if there is one)
+  when the two meshes are the same, else built from ``host``."""
+  if programs.aux_mesh is programs.mesh and on_train_mesh is not None:
+    return on_train_mesh
+  return data.to_global(programs.aux_mesh, host)
 
 
 def kv_cache_bytes(cfg) -> int:
@@ -223,14 +222,14 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
     device_rollout = jax.tree.map(lambda x: data.to_global(programs.mesh, x), rollout)
   metrics = {}
   t0 = time.perf_counter()
-  aux_tokens, aux_lengths = _on_aux(programs, device_rollout, rollout)
+  aux_tokens = _on_aux(programs, device_rollout.tokens_bt, rollout.tokens_bt)
   ref_call = rm_call = None
   if cfg.algo.needs_reference:
     ref_call = _AuxCall("reference", programs, timeline, step, programs.ref_logprobs, ref_resting, aux_tokens)
   if programs.reward_model is not None:
     score_fn, rm_resting = programs.reward_model
-    rm_call = _AuxCall("reward_model", programs, timeline, step, score_fn, rm_resting, aux_tokens,
-                       aux_lengths)
+    lengths = _on_aux(programs, None, rollout.prompt_len_b + rollout.response_len_b)
+    rm_call = _AuxCall("reward_model", programs, timeline, step, score_fn, rm_resting, aux_tokens, lengths)
   with timeline.phase("reward", group=d.train_group, step=step):
     rewards, fmt, correct, m = programs.verify.scores(rollout, problems)
     metrics |= m | {"accuracy": float(correct.mean()), "format_rate": float(fmt.mean())}

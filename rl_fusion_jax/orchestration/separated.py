@@ -70,7 +70,7 @@ from rl_fusion_jax.orchestration import phases, resume, stalesync
 from rl_fusion_jax.orchestration.guard import DivergenceGuard
 from rl_fusion_jax.orchestration.programs import Placement, Programs
 from rl_fusion_jax.orchestration.setup import Setup, validate, write_json_atomic
-from rl_fusion_jax.queue.distqueue import DistQueue, FieldSpec, Packed, pack, unpack
+from rl_fusion_jax.queue.distqueue import DistQueue, Packed, pack
 from rl_fusion_jax.queue.staleness import Candidate, admit
 from rl_fusion_jax.timeline import Timeline
 from rl_fusion_jax.train import state as state_lib
@@ -470,11 +470,7 @@ class ShippedScores:
 
 def make_queue(setup: Setup) -> DistQueue:
   """The trainer's queue: StaleSync's fields plus the shipped scores, room for one batch."""
-  fields = ([FieldSpec(n, d, True) for n, d in stalesync.TOKEN_FIELDS]
-            + [FieldSpec(n, d, False) for n, d in stalesync.SAMPLE_FIELDS + SCORE_FIELDS])
-  queue = DistQueue(fields, capacity=setup.cfg.rollout.batch_size)
-  queue.register_consumer(stalesync.CONSUMER, needs=tuple(f.name for f in fields))
-  return queue
+  return stalesync.make_queue(setup, SCORE_FIELDS, capacity=setup.cfg.rollout.batch_size)
 
 
 class TrainSide:
@@ -566,11 +562,7 @@ class TrainSide:
                          f"{self.r.num_prompts}")
     groups = sorted(adm.admitted)
     batch = self.queue.read(stalesync.CONSUMER, sorted(i for g in groups for i, _, _ in waiting[g]))
-    width = self.r.seq_len
-    rollout = Rollout(tokens_bt=unpack(batch["tokens"], width, 0), prompt_len_b=batch["prompt_len"],
-                      response_len_b=batch["response_len"], logp_bt=unpack(batch["logp"], width, 0.0),
-                      version_bt=unpack(batch["version"], width, -1), finished_b=batch["finished"],
-                      sample_id_b=batch["sample_id"])
+    rollout = stalesync.host_rollout([batch], self.r.seq_len)
     self.shipped.add(batch["sample_id"], batch["reward"], batch["format_ok"], batch["correct"])
     metrics = {f"stalesync/{k}": v for k, v in adm.metrics().items()} | {"stalesync/discarded_now": len(stale)}
     return groups, rollout, metrics

@@ -40,14 +40,24 @@ CONSUMER = "train"
 PADS = {"tokens": 0, "logp": 0.0, "version": -1}   # what a fixed-width row holds past its length
 
 
-def make_queue(setup: Setup) -> DistQueue:
-  """The run's queue: one row per sample, room for every outstanding group."""
+def make_queue(setup: Setup, extra_sample_fields=(), capacity: int | None = None) -> DistQueue:
+  """The run's queue: one row per sample, room for every outstanding group (or ``capacity`` samples);
+  ``extra_sample_fields``: (name, dtype) pairs beside SAMPLE_FIELDS, also needed by the consumer."""
   r, s = setup.cfg.rollout, setup.cfg.stalesync
   fields = ([FieldSpec(n, d, True) for n, d in TOKEN_FIELDS]
-            + [FieldSpec(n, d, False) for n, d in SAMPLE_FIELDS])
-  queue = DistQueue(fields, capacity=s.pool_groups(r.num_prompts) * r.group_size)
+            + [FieldSpec(n, d, False) for n, d in SAMPLE_FIELDS + tuple(extra_sample_fields)])
+  queue = DistQueue(fields, capacity=capacity or s.pool_groups(r.num_prompts) * r.group_size)
   queue.register_consumer(CONSUMER, needs=tuple(f.name for f in fields))
   return queue
+
+
+def host_rollout(batches: list[Batch], width: int) -> Rollout:
+  """Queue reads (in row order) -> one fixed-width host Rollout, token fields padded with ``PADS``."""
+  sample = lambda name: np.concatenate([b.sample[name] for b in batches])
+  tokens = lambda name: np.concatenate([unpack(b.tokens[name], width, PADS[name]) for b in batches])
+  return Rollout(tokens_bt=tokens("tokens"), prompt_len_b=sample("prompt_len"),
+                 response_len_b=sample("response_len"), logp_bt=tokens("logp"), version_bt=tokens("version"),
+                 finished_b=sample("finished"), sample_id_b=sample("sample_id"))
 
 
 class StaleSync:
@@ -131,11 +141,7 @@ class StaleSync:
     if sum(len(b) for b in reads) != len(order):
       raise RuntimeError("StaleSync: this process's queue reads do not cover the batch (several processes "
                          "are not supported by the StaleSync loop yet)")
-    width, cat = self.r.seq_len, lambda name: np.concatenate([b.sample[name] for b in reads])
-    tokens = lambda name: np.concatenate([unpack(b.tokens[name], width, PADS[name]) for b in reads])
-    host = Rollout(tokens_bt=tokens("tokens"), prompt_len_b=cat("prompt_len"),
-                   response_len_b=cat("response_len"), logp_bt=tokens("logp"), version_bt=tokens("version"),
-                   finished_b=cat("finished"), sample_id_b=cat("sample_id"))
+    host = host_rollout(reads, self.r.seq_len)
     return host, device
 
   # -- one step ----------------------------------------------------------------------------------------
