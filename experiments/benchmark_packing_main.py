@@ -4,8 +4,10 @@ r"""Train-step time on right-padded rows vs packed rows, same batch, one JSON li
 
 The batch is synthetic but shaped like a GRPO rollout of the config: ``num_prompts`` groups of
 ``group_size`` samples sharing a prompt of 5-9 tokens, response lengths from a clipped log-normal (a long
-tail up to ``max_new_tokens``). The padded step takes [B, max_prompt_len + max_new_tokens]; the packed
-step takes [R, --width] rows from ``train/packing.py`` (R the smallest row bucket that fits). Both steps
+tail up to ``max_new_tokens``). The padded step takes [B, W], W the longest sample rounded up to a width
+bucket (``step.train_width``, as the loop does); the packed step takes [R, --width] rows from
+``train/packing.py`` (R the smallest row bucket that fits). Both split into micro-batches as the loop does
+(``optim.micro_batches``, else ``optim.tokens_per_micro_batch``; counts reported). Both steps
 are compiled and run ``--warmup`` times, then timed ``--steps`` times each, interleaved; medians reported,
 plus rows / tokens / padding fraction of both layouts and the host time to plan and pack the batch.
 """
@@ -76,10 +78,13 @@ def main(argv):
   ssh = state_lib.state_shardings(tx, models.abstract_params(m), psh, mesh)
   params = models.init_params(m, jax.random.key(cfg.run.seed), init_std=cfg.model.init_std)
   new_state = lambda: state_lib.create_train_state(jax.device_put(params, psh), tx, ssh)
-  args = (m, cfg.algo, r.temperature, tx, cfg.optim.micro_batches, mesh, r.max_new_tokens, ssh)
+  micro = step_lib.MicroBatching.from_optim(cfg.optim, jax.devices()[0].platform)
+  args = (m, cfg.algo, r.temperature, tx, micro, mesh, r.max_new_tokens, ssh)
   steps = {"padded": step_lib.make_rl_step(*args), "packed": packed_step.make_packed_rl_step(*args)}
 
   fields, length_b = synthetic_batch(cfg, np)
+  padded_width = step_lib.train_width(int(length_b.max()), r.seq_len)
+  fields = {k: v[:, :padded_width] if v.ndim == 2 else v for k, v in fields.items()}
   width = _WIDTH.value or r.seq_len
   multiple = packing.row_multiple(mesh_lib.batch_shards(mesh), cfg.optim.micro_batches)
   buckets = packing.row_buckets(r.batch_size, multiple, _PER_DOUBLING.value)
@@ -103,11 +108,15 @@ def main(argv):
   out = {
       "devices": jax.device_count(), "platform": jax.devices()[0].platform, "mesh": dict(mesh.shape),
       "batch": r.batch_size, "steps": _STEPS.value, "micro_batches": cfg.optim.micro_batches,
+      "tokens_per_micro_batch": micro.tokens,
       "padded_step_s": round(med["padded"], 4), "packed_step_s": round(med["packed"], 4),
       "speedup": round(med["padded"] / med["packed"], 3), "pack_host_s": round(pack_s, 4),
-      "padded": {"rows": r.batch_size, "width": r.seq_len, "tokens": tokens,
-                 "padding_fraction": round(1 - tokens / (r.batch_size * r.seq_len), 4)},
-      "packed": {k: round(v, 4) for k, v in layout.stats().items()} | {"buckets": list(buckets)},
+      "padded": {"rows": r.batch_size, "width": padded_width, "tokens": tokens,
+                 "padding_fraction": round(1 - tokens / (r.batch_size * padded_width), 4),
+                 "micro": micro.num_micro(r.batch_size, padded_width, mesh_lib.batch_shards(mesh))},
+      "packed": {k: round(v, 4) for k, v in layout.stats().items()} | {
+          "buckets": list(buckets),
+          "micro": micro.num_micro(layout.num_rows, width, mesh_lib.batch_shards(mesh))},
       "first_step_loss_abs_diff": abs(losses["padded"] - losses["packed"]),
       "response_len_mean": round(float(fields["mask_bt"].sum(1).mean()), 2),
   }

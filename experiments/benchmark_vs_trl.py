@@ -47,6 +47,11 @@ _WARMUP = flags.DEFINE_integer("warmup_steps", 2, "Unmeasured steps per side aft
 _WORKDIR = flags.DEFINE_string("workdir", "", "Folder for the workload file and the sides' logs "
                                "(default: a new temp dir).")
 _OUT = flags.DEFINE_string("out", "", "Write every figure as JSON here.")
+_OURS_FLAGS = flags.DEFINE_multi_string(
+    "ours_flag", [], "Extra flag for the project's side, e.g. --ours_flag=--config.model.dtype=float32 "
+    "(repeatable).")
+_TRL_BF16 = flags.DEFINE_bool("trl_bf16", False, "TRL side with bf16=True (torch autocast to bfloat16 on "
+                              "CPU; float32 weights and optimizer).")
 _MATMUL_ONLY = flags.DEFINE_bool("matmul_only", False, "Only measure the matmul rates (JAX and torch).")
 _WRITE_WORKLOAD = flags.DEFINE_string("write_workload", "", "Only write the workload file here and exit.")
 _CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/rl_fusion_jax/jax_cache",
@@ -170,9 +175,9 @@ def start_sides(workload_path: str, workdir: str) -> dict[str, turns.Child]:
   total = _ROUNDS.value * _STEPS.value
   shared = [f"--steps={total}", f"--warmup_steps={_WARMUP.value}", f"--turn_steps={_STEPS.value}"]
   ours = [sys.executable, os.path.join(HERE, "benchmark_main.py"), f"--config={_CONFIG.value}",
-          f"--compilation_cache={_CACHE.value}"] + shared
+          f"--compilation_cache={_CACHE.value}"] + list(_OURS_FLAGS.value) + shared
   trl = [_TRL_PYTHON.value, os.path.join(HERE, "trl_tiny_grpo.py"), f"--workload={workload_path}",
-         f"--threads={_TRL_THREADS.value}"] + shared
+         f"--threads={_TRL_THREADS.value}"] + (["--bf16"] if _TRL_BF16.value else []) + shared
   sides = {}
   for name, args in (("ours", ours), ("trl", trl)):
     sides[name] = turns.Child(name, args, os.path.join(workdir, f"{name}.log"))
@@ -270,7 +275,8 @@ def main(argv):
   import flax  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   result |= {
-      "config": _CONFIG.value, "rounds_steps_warmup": [_ROUNDS.value, _STEPS.value, _WARMUP.value],
+      "config": _CONFIG.value, "ours_flags": list(_OURS_FLAGS.value), "trl_bf16": _TRL_BF16.value,
+      "rounds_steps_warmup": [_ROUNDS.value, _STEPS.value, _WARMUP.value],
       "machine": machine() | {"load_avg_1m_before": round(load_before, 2)},
       "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
                    **finals["trl"]["versions"]},

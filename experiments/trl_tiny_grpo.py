@@ -113,7 +113,7 @@ def check_prompt_lengths(tokenizer, problems: list[dict]) -> None:
       raise ValueError(f"prompt {p['prompt']!r}: {n} tokens here, {p['prompt_tokens']} in the project")
 
 
-def grpo_config(w: dict, total_steps: int, output_dir: str):
+def grpo_config(w: dict, total_steps: int, output_dir: str, bf16: bool = False):
   """GRPOConfig matching the project's run: one generated batch per optimizer step, one update on it."""
   from trl import GRPOConfig
   r, a, o = w["rollout"], w["algo"], w["optim"]
@@ -125,7 +125,7 @@ def grpo_config(w: dict, total_steps: int, output_dir: str):
     # GRPOTrainer loads its reference model from the policy's hub id or path; not set up here.
     raise ValueError("algo.kl_coef != 0: the TRL side runs without a reference model only")
   return GRPOConfig(
-      output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+      output_dir=output_dir, use_cpu=True, bf16=bf16, fp16=False, gradient_checkpointing=False,
       seed=w["seed"], data_seed=w["seed"], shuffle_dataset=False, dataloader_num_workers=0,
       per_device_train_batch_size=r["num_prompts"] * r["group_size"], gradient_accumulation_steps=1,
       num_generations=r["group_size"], max_completion_length=r["max_new_tokens"],
@@ -225,6 +225,8 @@ def main():
   parser.add_argument("--turn_steps", type=int, default=0,
                       help="Take turns every N measured steps (0: never).")
   parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: one per CPU).")
+  parser.add_argument("--bf16", action="store_true",
+                      help="GRPOConfig(bf16=True): torch autocast to bfloat16 (float32 weights and optimizer).")
   parser.add_argument("--matmul", action="store_true", help="Print matmul rates at the workload's shapes.")
   args = parser.parse_args()
   torch.set_num_threads(args.threads or os.cpu_count() or 1)
@@ -252,7 +254,8 @@ def main():
   clock, rows = PhaseClock(), []
   with tempfile.TemporaryDirectory(prefix="trl_tiny_grpo_") as output_dir:
     trainer = trl.GRPOTrainer(
-        model=model, reward_funcs=make_reward(**w["reward"]), args=grpo_config(w, total, output_dir),
+        model=model, reward_funcs=make_reward(**w["reward"]),
+        args=grpo_config(w, total, output_dir, args.bf16),
         train_dataset=dataset, processing_class=tokenizer,
         callbacks=[step_callback(clock, args.warmup_steps, args.turn_steps, rows)])
     # _generate returns (prompt_ids, completion_ids, ...); completion ids end at the first eos.
@@ -266,7 +269,8 @@ def main():
       raise RuntimeError("activation checkpointing or a reference model is on: not the project's workload")
     attention = model.config._attn_implementation  # pylint: disable=protected-access
     setup = {"optim": str(trainer.args.optim), "attention": attention,
-             "dtype": str(model.dtype), "loss_type": trainer.args.loss_type,
+             "dtype": str(model.dtype), "bf16_autocast": bool(trainer.args.bf16),
+             "loss_type": trainer.args.loss_type,
              "generation_batch_size": trainer.args.generation_batch_size,
              "steps_per_generation": trainer.args.steps_per_generation, "threads": torch.get_num_threads()}
     startup_s = time.perf_counter() - t_start

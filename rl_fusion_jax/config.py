@@ -265,7 +265,14 @@ class StaleSyncConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-  """AdamW with global-norm clipping, linear warm-up, and micro-batch gradient accumulation."""
+  """AdamW with global-norm clipping, linear warm-up, and micro-batch gradient accumulation.
+
+  How the RL update splits its batch into micro-batches (``train/step.py::MicroBatching``):
+  ``micro_batches > 1`` fixes the count and wins; otherwise each micro-batch holds at most
+  ``tokens_per_micro_batch`` token positions per device (rows per batch shard * width), the count rounded
+  to a divisor that keeps every micro-batch evenly split over the batch shards. 0 or None picks a budget
+  per backend (``step.DEFAULT_TOKENS_PER_MICRO_BATCH``: cache-sized on CPU, large on GPU / TPU).
+  """
   learning_rate: float = 1e-5
   b1: float = 0.9
   b2: float = 0.999
@@ -273,6 +280,7 @@ class OptimConfig:
   grad_clip: float = 1.0           # 0 disables
   warmup_steps: int = 0
   micro_batches: int = 1
+  tokens_per_micro_batch: int | None = 0
   # The RL update on packed rows (several samples per row, train/packing.py): same loss and gradients,
   # no padding positions; row counts are bucketed, one compile per bucket used.
   pack_rows: bool = False
@@ -282,6 +290,10 @@ class OptimConfig:
     _require(self.grad_clip >= 0, "optim.grad_clip", f"must be >= 0, got {self.grad_clip}")
     _require(self.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
     _require(self.micro_batches >= 1, "optim.micro_batches", f"must be >= 1, got {self.micro_batches}")
+    tokens = self.tokens_per_micro_batch
+    _require(tokens is None or (isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0),
+             "optim.tokens_per_micro_batch",
+             f"must be None or an int >= 0, got {tokens!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,6 +394,10 @@ class ExperimentConfig:
     _require(per_micro % batch_shards == 0, "rollout.num_prompts",
              f"the micro-batch of {per_micro} sequences (num_prompts * group_size / micro_batches) "
              f"must divide over data * fsdp = {batch_shards} devices")
+    tokens = self.optim.tokens_per_micro_batch
+    _require(self.optim.micro_batches > 1 or not tokens or tokens >= self.rollout.seq_len,
+             "optim.tokens_per_micro_batch",
+             f"{tokens} positions per device cannot hold one row of seq_len = {self.rollout.seq_len} tokens")
     _require(self.warmup.steps == 0 or self.warmup.batch_size % batch_shards == 0, "warmup.batch_size",
              f"must be divisible by data * fsdp = {batch_shards}")
     for field, value in (("rollout.num_slots", self.rollout.slots),

@@ -64,6 +64,7 @@ def test_unknown_fields_are_named(path, value, match):
     ("rollout.top_p", 0.0, "rollout.top_p"),
     ("rollout.max_new_tokens", 0, "rollout.max_new_tokens"),
     ("optim.micro_batches", 3, "optim.micro_batches"),
+    ("optim.tokens_per_micro_batch", -1, "optim.tokens_per_micro_batch"),
     ("mesh.tensor", 0, "mesh.tensor"),
     ("model.num_kv_heads", 3, "num_kv_heads"),
     ("rollout.max_new_tokens", 500, "max_position_embeddings"),
@@ -88,6 +89,12 @@ def test_device_checks():
   c.mesh.data = 3
   with pytest.raises(ValueError, match="config.mesh"):
     config_lib.experiment_from_dict(c).check_devices(8)
+  c = base()
+  c.optim.tokens_per_micro_batch = c.rollout.max_prompt_len     # less than one row per device
+  with pytest.raises(ValueError, match=r"config.optim.tokens_per_micro_batch: 8 positions per device .* 14"):
+    config_lib.experiment_from_dict(c).check_devices(8)
+  c.optim.micro_batches = 2                                          # a fixed count wins: no budget check
+  config_lib.experiment_from_dict(c).check_devices(8)
 
 
 def test_as_dict_round_trips():

@@ -52,7 +52,7 @@ def split_run_with_new_weights(keep_cache):
   engine = make_engine(GREEDY, num_slots=8, chunk_steps=3, keep_cache=keep_cache)
   engine.add(requests(forced))
   first = engine.run(params_a, 1, target_samples=4)
-  # L x S x T x K x H x {k, v} x 4 bytes = 2 x 8 x 16 x 2 x 8 x 2 x 4 = 32768, held only with keep_cache.
+  # L x S x K x T x H x {k, v} x 4 bytes = 2 x 8 x 2 x 16 x 8 x 2 x 4 = 32768, held only with keep_cache.
   assert engine.held_cache_bytes == (32768 if keep_cache else 0)
   assert engine.num_in_flight >= 2
   in_flight = engine.num_in_flight

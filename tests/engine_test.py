@@ -8,6 +8,7 @@ import pytest
 
 from rl_fusion_jax import models
 from rl_fusion_jax.config import MeshConfig
+from rl_fusion_jax.rollout import slots
 from rl_fusion_jax.rollout.engine import Engine, EngineConfig, Request
 from rl_fusion_jax.rollout.generate import GenerateSpec, Generator
 from rl_fusion_jax.rollout.sampling import SamplingParams
@@ -148,6 +149,29 @@ def test_no_recompiles_and_one_fetch_per_chunk(monkeypatch):
   assert programs.decode._cache_size() == 1
   assert all(fn._cache_size() <= 1 for fn in programs.prefill.values())
   assert programs.prefill[P]._cache_size() == 1
+
+
+def test_short_prompts_prefill_at_their_own_width():
+  # max_prompt_len 2P, prompts of at most P tokens: prefill runs at the narrowest width that holds them
+  # (8 here, not 2P), and the samples are those of the batch Generator at prompt width P.
+  spec = GenerateSpec(CFG, SAMPLED, 2 * P, N, EOS)
+  assert slots.prefill_widths(2 * P, 2 * P + N) == (8, 2 * P, 2 * P + N)
+  mesh, shardings, params = setup()
+  engine = Engine(EngineConfig(spec, num_slots=8, chunk_steps=3), mesh, shardings)
+  out, _ = run_all(engine, params, make_requests(*prompts()))
+  assert engine.programs.prefill[8]._cache_size() == 1
+  assert engine.programs.prefill[2 * P]._cache_size() == 0
+  ref = generator_reference(SAMPLED, EOS)
+  assert not out["tokens_bt"][:, P + N:].any() and (out["version_bt"][:, P + N:] == -1).all()
+  assert_same_as_generator({k: v[:, :P + N] if v.ndim == 2 else v for k, v in out.items()}, ref)
+
+
+def test_prefill_width_is_the_smallest_bucket_that_holds_the_prefix():
+  widths = slots.prefill_widths(16, 48)
+  assert widths == (8, 16, 32, 48)
+  assert [slots.prefill_width(widths, n) for n in (0, 4, 8, 9, 15, 16, 17, 47)] == [8, 8, 8, 16, 16, 16, 32, 48]
+  assert slots.prefill_widths(6, 16) == (6, 12, 16)          # nothing narrower than MIN_PREFILL_WIDTH
+  assert slots.prefill_widths(40, 200) == (8, 16, 32, 40, 80, 160, 200)
 
 
 def test_bad_input_fails_with_named_field():

@@ -43,8 +43,10 @@ def test_run_writes_outputs(tmp_path):
   steps = [r for r in records if "loss" in r]
   assert [r["step"] for r in steps] == [1, 2, 3]
   for key in ("reward", "accuracy", "entropy", "response_len_mean", "generate_tokens_per_s",
-              "train_tokens_per_s", "step_s", "grad_norm"):
+              "train_tokens_per_s", "step_s", "grad_norm", "train_width"):
     assert key in steps[0], key
+  # Rows are cut to the longest sample, rounded up to a width bucket (step.train_width), never wider.
+  assert all(r["train_width"] <= 12 and r["train_width"] % 4 == 0 for r in steps)
   assert json.load(open(os.path.join(straight, "summary.json"))) == summary
   assert json.load(open(os.path.join(straight, "config.json")))["rollout"]["num_prompts"] == 4
   assert sorted(os.listdir(os.path.join(straight, "checkpoints"))) == ["2", "3"]   # keep_checkpoints=2

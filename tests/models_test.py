@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rl_fusion_jax import models
-from rl_fusion_jax.models import layers
+from rl_fusion_jax.models import decoder, layers
 
 CFG = models.ModelConfig(vocab_size=48, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                          intermediate_size=64, qkv_bias=True, rope_theta=10000.0)
@@ -100,10 +100,26 @@ def test_cache_writes_out_of_range_positions_nowhere(params):
   jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, cache))
 
 
+def test_cache_is_written_in_the_layout_attention_reads(params):
+  # Token (b, t) at position p lands in cache[l, b, :, p] ([L, B, K, S, H]) and nowhere else.
+  positions_bt = jnp.asarray([[0, 1, 2, 3], [5, 7, 9, 11]])
+  _, cache = CACHED(CFG, params, _tokens((2, 4), 6), positions_bt, models.init_cache(CFG, 2, 16))
+  for name in ("k", "v"):
+    written_bs = np.abs(np.asarray(cache[name])).max(axis=(0, 2, 4)) > 0
+    expected_bs = np.zeros((2, 16), bool)
+    expected_bs[0, :4] = expected_bs[1, [5, 7, 9, 11]] = True
+    np.testing.assert_array_equal(written_bs, expected_bs)
+  # The newest position's k equals the projection of that token computed without a cache.
+  model = decoder.bind(CFG, params)
+  layer0 = next(model.blocks())
+  _, k_btkh, _ = layer0.attn.qkv(layer0.input_norm(model.embed_tokens(_tokens((2, 4), 6))), positions_bt)
+  np.testing.assert_allclose(np.asarray(cache["k"][0, 1, :, 11]), np.asarray(k_btkh[1, 3]), atol=1e-6)
+
+
 def test_init_cache_shape_and_dtype():
   cache = models.init_cache(CFG, 3, 10, dtype=jnp.bfloat16)
   assert set(cache) == {"k", "v"}
-  assert cache["k"].shape == (2, 3, 10, 2, 8) and cache["k"].dtype == jnp.bfloat16  # [L, B, S, K, H]
+  assert cache["k"].shape == (2, 3, 2, 10, 8) and cache["k"].dtype == jnp.bfloat16  # [L, B, K, S, H]
   assert models.init_cache(CFG, 1, 4)["v"].dtype == jnp.float32
   with pytest.raises(ValueError, match="max_len"):
     models.init_cache(CFG, 1, 0)

@@ -22,14 +22,14 @@ B, T, PROMPT = 32, 12, 4
 
 
 def setup(optim=OptimConfig(learning_rate=1e-2), algo=AlgoConfig(), mesh_cfg=MeshConfig(data=2, fsdp=4),
-          tx=None):
+          tx=None, micro=None):
   mesh = make_mesh(mesh_cfg)
   psh = param_shardings(models.abstract_params(CFG), models.param_logical_axes(CFG), mesh, TRAIN_RULES)
   tx = tx or state_lib.make_optimizer(optim)
   ssh = state_lib.state_shardings(tx, models.abstract_params(CFG), psh, mesh)
   params = jax.device_put(models.init_params(CFG, jax.random.key(0), init_std=0.3), psh)
   state = state_lib.create_train_state(params, tx, ssh)
-  step = step_lib.make_rl_step(CFG, algo, 1.0, tx, optim.micro_batches, mesh, T - PROMPT, ssh)
+  step = step_lib.make_rl_step(CFG, algo, 1.0, tx, micro or optim.micro_batches, mesh, T - PROMPT, ssh)
   return state, step
 
 
@@ -156,3 +156,129 @@ def test_guard_catches_parameters_that_overflow():
   assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
   assert float(metrics["nonfinite"]) == 3.0                   # updated parameters
   assert _params_equal(state.params, before)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Token-budget micro-batches and the cut row width
+# ----------------------------------------------------------------------------------------------------
+
+def assert_same_update(new_a, new_b, init, rtol=1e-5):
+  """Per leaf, the two updates (new - init; SGD(1): the gradients) agree to ``rtol`` of the leaf's largest
+  entry: float32 sums in another order differ by ~1e-7 absolute, so entry-wise relative checks of tiny
+  entries would test rounding. Returns the largest update, to check it is far above the tolerance."""
+  moved = 0.0
+  for a, b, p0 in zip(jax.tree.leaves(new_a), jax.tree.leaves(new_b), jax.tree.leaves(init)):
+    da, db = np.asarray(a) - np.asarray(p0), np.asarray(b) - np.asarray(p0)
+    scale = float(np.max(np.abs(db)))
+    assert float(np.max(np.abs(da - db))) <= rtol * scale + 1e-9, (float(np.max(np.abs(da - db))), scale)
+    moved = max(moved, scale)
+  return moved
+
+
+def test_micro_batch_count_keeps_every_micro_batch_split_over_the_shards():
+  count = step_lib.micro_batch_count
+  assert count(128, 44, 1024, 2) == 4              # per device: 16 rows x 44 = 704 <= 1024 < 32 x 44
+  assert count(128, 44, 2048, 2) == 2
+  assert count(128, 44, 0, 2) == 1                 # no budget
+  assert count(128, 44, 10, 2) == 64               # below one row per shard: one row per shard
+  assert count(24, 10, 100, 2) == 2                # 12 rows per shard: divisors 1, 2, 3, 4, 6, 12
+  assert count(24, 10, 50, 2) == 3
+  with pytest.raises(ValueError, match="do not split over 8"):
+    count(12, 10, 100, 8)
+  micro = step_lib.MicroBatching(count=4, tokens=1)    # a fixed count wins over the budget
+  assert micro.num_micro(128, 44, 2) == 4
+  assert step_lib.as_micro_batching(2) == step_lib.MicroBatching(count=2)
+  assert step_lib.MicroBatching.from_optim(OptimConfig(), "cpu").tokens == \
+      step_lib.DEFAULT_TOKENS_PER_MICRO_BATCH["cpu"]
+  assert step_lib.MicroBatching.from_optim(OptimConfig(tokens_per_micro_batch=None), "gpu").tokens == \
+      step_lib.ACCELERATOR_TOKENS_PER_MICRO_BATCH
+  assert step_lib.MicroBatching.from_optim(OptimConfig(tokens_per_micro_batch=300), "gpu").tokens == 300
+
+
+def test_train_width_buckets():
+  widths = [step_lib.train_width(n, 48) for n in range(1, 49)]
+  assert sorted(set(widths)) == [4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48]
+  assert all(w >= n for n, w in zip(range(1, 49), widths))
+  assert step_lib.train_width(41, 48) == 44          # tiny-grpo: prompts up to 9 + 32 new tokens
+  assert [step_lib.train_width(n, 4096) for n in (65, 100, 129, 1000, 4000)] == [72, 104, 144, 1024, 4096]
+  assert len({step_lib.train_width(n, 4096) for n in range(1, 4097)}) == 8 + 8 * 7
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum-norm"])
+def test_token_budget_gives_the_full_batch_update(aggregation):
+  """A budget of 12 tokens per device splits [32, 12] (8 batch shards) into 4 micro-batches of 8 rows."""
+  algo = AlgoConfig(aggregation=aggregation)
+  assert step_lib.micro_batch_count(B, T, 12, 8) == 4 and step_lib.micro_batch_count(B, T, B * T, 8) == 1
+  s1, step1 = setup(OptimConfig(), algo, tx=optax.sgd(1.0), micro=step_lib.MicroBatching(tokens=B * T))
+  s4, step4 = setup(OptimConfig(), algo, tx=optax.sgd(1.0), micro=step_lib.MicroBatching(tokens=12))
+  data = batch(7)
+  init = jax.device_get(s1.params)
+  s1, m1 = step1(s1, data)
+  s4, m4 = step4(s4, data)
+  np.testing.assert_allclose(float(m4["loss"]), float(m1["loss"]), rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(float(m4["grad_norm"]), float(m1["grad_norm"]), rtol=1e-5)
+  assert assert_same_update(s4.params, s1.params, init) > 1e-3
+
+
+def wide_batch(seed, max_len, width):
+  """A batch of rows ``width`` wide whose samples are at most ``max_len`` tokens long, with reference
+  log-probs (for the KL term) and versions."""
+  rng = np.random.default_rng(seed)
+  lens = rng.integers(1, max_len - PROMPT + 1, size=B)
+  lens[0] = max_len - PROMPT
+  col = np.arange(width)[None]
+  mask = ((col >= PROMPT) & (col < PROMPT + lens[:, None])).astype(np.float32)
+  tokens = np.where(col < PROMPT + lens[:, None], rng.integers(3, 64, size=(B, width)), 0).astype(np.int32)
+  noise = lambda: rng.normal(size=(B, width)).astype(np.float32)
+  return TrainBatch(tokens_bt=jnp.asarray(tokens), mask_bt=jnp.asarray(mask),
+                    advantages_b=jnp.asarray(rng.normal(size=B).astype(np.float32)),
+                    behaviour_logp_bt=jnp.asarray((noise() * 0.1 - 4) * mask),
+                    ref_logp_bt=jnp.asarray((noise() * 0.3 - 4) * mask),
+                    version_bt=jnp.asarray(np.where(mask > 0, seed, -1).astype(np.int32)))
+
+
+def cut(data: TrainBatch, width: int) -> TrainBatch:
+  return jax.tree.map(lambda x: x[:, :width] if x.ndim == 2 else x, data)
+
+
+@pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_cut_width_gives_the_full_width_update(aggregation):
+  """Rows of 24 positions holding samples of at most 11 tokens: the update on the first 12 columns is the
+  full-width one (loss, metrics, parameters after one SGD step), norm_len unchanged."""
+  algo = AlgoConfig(aggregation=aggregation, kl_coef=0.1, entropy_coef=0.01)
+  state, step = setup(OptimConfig(), algo, tx=optax.sgd(1.0))
+  init = jax.device_get(state.params)
+  data = wide_batch(3, 11, 24)
+  width = step_lib.train_width(11, 24)
+  assert width == 12
+  s_full, m_full = step(state, data)
+  s_cut, m_cut = step(setup(OptimConfig(), algo, tx=optax.sgd(1.0))[0], cut(data, width))
+  for name in m_full:
+    np.testing.assert_allclose(float(m_cut[name]), float(m_full[name]), rtol=1e-5, atol=1e-7, err_msg=name)
+  assert assert_same_update(s_cut.params, s_full.params, init) > 1e-3
+
+
+def test_one_compile_per_width_and_none_after():
+  """Widths 12, 16, 12, 16, 12 under a budget of 24 tokens per device (2 and 4 micro-batches): each width traces
+  once, at its first step; later steps of a seen width trace and compile nothing."""
+  events = []
+  listener = lambda event, duration, **kw: events.append(event) if "trace" in event or "compile" in event \
+      else None
+  micro = step_lib.MicroBatching(tokens=24)
+  state, step = setup(micro=micro)
+  batches = [cut(wide_batch(s, n, 24), step_lib.train_width(n, 24)) for s, n in enumerate((11, 14))]
+  assert [b.tokens_bt.shape[1] for b in batches] == [12, 16]
+  assert [micro.num_micro(B, w, 8) for w in (12, 16)] == [2, 4]
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    per_step = []
+    for i in range(5):
+      before = len(events)
+      state, metrics = step(state, batches[i % 2])
+      assert np.isfinite(float(metrics["loss"]))
+      per_step.append(len(events) - before)
+      assert step._cache_size() == min(i + 1, 2)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert per_step[0] > 0 and per_step[1] > 0, "no trace seen: the check would be vacuous"
+  assert per_step[2:] == [0, 0, 0]

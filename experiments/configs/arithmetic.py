@@ -19,7 +19,7 @@ def model(vocab_size=128, hidden=128, layers=4, heads=4, kv_heads=2, mlp=384):
   return ml_collections.ConfigDict(dict(
       model_type="qwen2", vocab_size=vocab_size, hidden_size=hidden, num_layers=layers, num_heads=heads,
       num_kv_heads=kv_heads, intermediate_size=mlp, qkv_bias=True, tie_word_embeddings=True,
-      max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6, dtype="float32",
+      max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6, dtype="bf16_matmul",
       param_dtype="float32", init_std=0.02, hf_path=""))
 
 
@@ -43,7 +43,7 @@ def get_config(arg: str = ""):
       is_cap=5.0))
   c.optim = ml_collections.ConfigDict(dict(
       learning_rate=1e-4, b1=0.9, b2=0.99, weight_decay=0.0, grad_clip=1.0, warmup_steps=0,
-      micro_batches=1, pack_rows=False))
+      micro_batches=1, tokens_per_micro_batch=0, pack_rows=False))
   c.warmup = ml_collections.ConfigDict(dict(steps=1000, batch_size=64, learning_rate=2e-3,
                                              checkpoint_every=250))
   c.run = ml_collections.ConfigDict(dict(

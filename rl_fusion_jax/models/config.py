@@ -17,6 +17,10 @@ from rl_fusion_jax.models import hf_config
 
 MODEL_TYPES = ("qwen2", "llama")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# The precision policies `ModelConfig.dtype` names: (activation dtype, matmul input dtype). Matmuls always
+# accumulate in float32 when their inputs are bfloat16 under 'bf16_matmul'; see layers.Projection.
+PRECISIONS = {"float32": ("float32", "float32"), "bf16_matmul": ("float32", "bfloat16"),
+              "bfloat16": ("bfloat16", "bfloat16")}
 ROPE_TYPES = ("default", "llama3")
 # Keys the llama3 frequency formula reads (transformers `_compute_llama3_parameters`).
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -88,8 +92,11 @@ class ModelConfig:
 
   `head_dim=None` is resolved in `__post_init__` to `hidden_size // num_heads`, so `cfg.head_dim` is
   always an int afterwards (`cfg.head_dim_` is the same value, kept as an alias).
-  `dtype` is the compute dtype of matmuls; `param_dtype` the storage dtype of parameters. Attention
-  softmax, RMSNorm statistics and logits are always float32.
+  `dtype` is the precision policy of the computation (`PRECISIONS`): 'float32' (everything float32),
+  'bf16_matmul' (projection and lm-head matmuls take bfloat16 inputs and accumulate in float32, forward
+  and backward; activations, residual stream and everything else stay float32) or 'bfloat16' (activations
+  and matmuls in bfloat16). `param_dtype` is the storage dtype of parameters. Attention softmax, RMSNorm
+  statistics and logits are always float32.
   """
   vocab_size: int
   hidden_size: int
@@ -127,9 +134,10 @@ class ModelConfig:
         raise _fail(name, "must be a bool", getattr(self, name))
     if self.model_type not in MODEL_TYPES:
       raise _fail("model_type", f"must be one of {MODEL_TYPES}", self.model_type)
-    for name in ("dtype", "param_dtype"):
-      if getattr(self, name) not in DTYPES:
-        raise _fail(name, f"must be one of {tuple(DTYPES)}", getattr(self, name))
+    if self.dtype not in PRECISIONS:
+      raise _fail("dtype", f"must be one of {tuple(PRECISIONS)}", self.dtype)
+    if self.param_dtype not in DTYPES:
+      raise _fail("param_dtype", f"must be one of {tuple(DTYPES)}", self.param_dtype)
     _check_optional_token("bos_token_id", self.bos_token_id)
     _check_optional_token("eos_token_id", self.eos_token_id)
 
@@ -150,7 +158,13 @@ class ModelConfig:
 
   @property
   def compute_dtype(self) -> jnp.dtype:
-    return jnp.dtype(DTYPES[self.dtype])
+    """The activations' dtype (residual stream, attention, KV cache) under the precision policy."""
+    return jnp.dtype(DTYPES[PRECISIONS[self.dtype][0]])
+
+  @property
+  def matmul_dtype(self) -> jnp.dtype:
+    """The input dtype of projection and lm-head matmuls under the precision policy."""
+    return jnp.dtype(DTYPES[PRECISIONS[self.dtype][1]])
 
   @property
   def weight_dtype(self) -> jnp.dtype:

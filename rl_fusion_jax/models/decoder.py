@@ -19,7 +19,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from rl_fusion_jax.models.config import ModelConfig
-from rl_fusion_jax.models.layers import F32, DecoderLayer, RMSNorm, make_param
+from rl_fusion_jax.models.layers import F32, DecoderLayer, RMSNorm, make_param, mixed_matmul
 
 Params = dict[str, Any]
 
@@ -44,7 +44,7 @@ class Decoder(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, init_std: float = 0.02, rngs: nnx.Rngs):
     self.num_layers = cfg.num_layers
-    self.dtype = cfg.compute_dtype
+    self.dtype, self.matmul_dtype = cfg.compute_dtype, cfg.matmul_dtype
     self.embed = Embed(cfg, init_std=init_std, rngs=rngs)
     for i in range(cfg.num_layers):
       setattr(self, f"layers_{i}", DecoderLayer(cfg, init_std=init_std, rngs=rngs))
@@ -62,6 +62,12 @@ class Decoder(nnx.Module):
   def logits(self, x_btd: jax.Array) -> jax.Array:
     """Final norm and lm head; float32 logits whatever the compute dtype."""
     x_btd = self.final_norm(x_btd)
+    if self.matmul_dtype != self.dtype:   # 'bf16_matmul': low-precision inputs, float32 accumulation
+      kernel_dv = (self.lm_head.kernel[...] if hasattr(self, "lm_head")
+                   else self.embed.embedding[...].astype(self.matmul_dtype).T)
+      b, t, d = x_btd.shape
+      logits_mv = mixed_matmul(x_btd.reshape(b * t, d), kernel_dv, self.matmul_dtype.name)
+      return logits_mv.reshape(b, t, -1)
     if hasattr(self, "lm_head"):
       return jnp.einsum("BTD,DV->BTV", x_btd, self.lm_head.kernel[...].astype(self.dtype),
                         preferred_element_type=F32)

@@ -1,9 +1,11 @@
 """Fixed-shape KV cache and the one cached forward that serves both prefill and decode.
 
-`KVCache` is a plain dict `{'k': [L, B, S, K, H], 'v': [L, B, S, K, H]}` (layers stacked, one array
-each), so it shards, donates and offloads like any pytree. Shapes never change: generation compiles
-one prefill and one decode program. This module never allocates a second cache: writes are scatters
-into the (donated) input buffers.
+`KVCache` is a plain dict `{'k': [L, B, K, S, H], 'v': [L, B, K, S, H]}` (layers stacked, one array
+each), so it shards, donates and offloads like any pytree. Each layer's slice [B, K, S, H] is the layout
+attention reads (batch and kv head outermost, positions then head dim), so a decode step reads the cache
+without transposing it. Shapes never change, so each generation program compiles once.
+This module never allocates a second cache: writes are scatters into the (donated) input buffers, batched
+over the rows (`layers.write_rows`), so a cache sharded over B is written shard-locally.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
       raise ValueError(f"{name}: must be a positive int, got {value!r}")
   dtype = cfg.compute_dtype if dtype is None else jnp.dtype(DTYPES.get(dtype, dtype))
-  shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+  shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
   return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
@@ -32,10 +34,10 @@ def _check_cache(cfg: ModelConfig, cache: KVCache, batch: int) -> int:
     raise ValueError(f"cache: expected a dict with keys 'k' and 'v', got {type(cache).__name__}")
   shape = jnp.shape(cache["k"])
   expected = (cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim)
-  if len(shape) != 5 or (shape[0], shape[1], shape[3], shape[4]) != expected or jnp.shape(cache["v"]) != shape:
+  if len(shape) != 5 or (shape[0], shape[1], shape[2], shape[4]) != expected or jnp.shape(cache["v"]) != shape:
     raise ValueError(f"cache['k'] / cache['v']: shape {shape} / {jnp.shape(cache['v'])}, expected "
-                     f"[L={expected[0]}, B={batch}, S, K={expected[2]}, H={expected[3]}] for both")
-  return shape[2]
+                     f"[L={expected[0]}, B={batch}, K={expected[2]}, S, H={expected[3]}] for both")
+  return shape[3]
 
 
 def forward_with_cache(cfg: ModelConfig, params: Params, tokens_bt: Int[Array, "B T"],

@@ -8,6 +8,7 @@ over heads is a rule-table entry. Every parameter carries logical axis names as 
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -81,20 +82,28 @@ def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq_h) -> jax.Ar
   return jnp.concatenate([x1 * cos_bt1h - x2 * sin_bt1h, x2 * cos_bt1h + x1 * sin_bt1h], axis=-1)
 
 
-def attend(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array, mask_bts: jax.Array) -> jax.Array:
+def attend(q_btnh: jax.Array, k: jax.Array, v: jax.Array, mask_bts: jax.Array,
+           kv_axes: str = "BSKH") -> jax.Array:
   """Grouped-query softmax attention; query head n reads kv head n // (N // K) (HF `repeat_kv` order).
 
-  Masked scores get the float32 minimum rather than -inf, so a fully masked row gives finite garbage
-  (it only happens for padding) instead of NaNs that would poison gradients.
+  ``k`` and ``v`` are laid out as ``kv_axes`` says: "BSKH" (the projections' [B, T, K, H], the training
+  forward) or "BKSH" (a KV-cache layer slice, read as it is stored). Masked scores get the float32
+  minimum rather than -inf, so a fully masked row gives finite garbage (it only happens for padding)
+  instead of NaNs that would poison gradients.
   """
   b, t, n, h = q_btnh.shape
-  k = k_bskh.shape[2]
-  q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
-  scores_bkgts = jnp.einsum("BTKGH,BSKH->BKGTS", q_btkgh, k_bskh, preferred_element_type=F32)
+  kv = k.shape[kv_axes.index("K")]
+  q_btkgh = q_btnh.reshape(b, t, kv, n // kv, h)
+  scores_bkgts = jnp.einsum(f"BTKGH,{kv_axes}->BKGTS", q_btkgh, k, preferred_element_type=F32)
   scores_bkgts = scores_bkgts * (h ** -0.5)
   scores_bkgts = jnp.where(mask_bts[:, None, None], scores_bkgts, jnp.finfo(F32).min)
-  probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(v_bskh.dtype)
-  out_btkgh = jnp.einsum("BKGTS,BSKH->BTKGH", probs_bkgts, v_bskh)
+  probs_bkgts = jax.nn.softmax(scores_bkgts, axis=-1).astype(v.dtype)
+  if kv_axes == "BKSH":
+    # probs @ v with the batch axes leading, transposed after: asked for BTKGH directly, einsum puts v
+    # first, which XLA:CPU runs as a slow batched dot (about 15% of a decode step).
+    out_btkgh = jnp.einsum("BKGTS,BKSH->BKGTH", probs_bkgts, v).transpose(0, 3, 1, 2, 4)
+  else:
+    out_btkgh = jnp.einsum(f"BKGTS,{kv_axes}->BTKGH", probs_bkgts, v)
   return out_btkgh.reshape(b, t, n, h)
 
 
@@ -104,7 +113,7 @@ class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, init_std: float, rngs: nnx.Rngs):
     d, n, k, h, wd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.weight_dtype
     bias = "zeros" if cfg.qkv_bias else None
-    self.dtype = cfg.compute_dtype
+    self.dtype, self.matmul_dtype = cfg.compute_dtype, cfg.matmul_dtype
     # A tuple of Python floats (exact float32 values): static, hashable module data, unlike an array.
     self.inv_freq_h = tuple(float(f) for f in rope_inv_freq(cfg))
     self.q_proj = Projection(rngs, init_std, (d, n, h), ("embed", "q_heads", "head_dim"), wd, bias)
@@ -114,14 +123,14 @@ class Attention(nnx.Module):
 
   def qkv(self, x_btd: jax.Array, positions_bt: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Returns q [B,T,N,H] and k, v [B,T,K,H] in the compute dtype, RoPE applied to q and k."""
-    q_btnh = self.q_proj(x_btd, "BTD,DNH->BTNH", self.dtype)
-    k_btkh = self.k_proj(x_btd, "BTD,DKH->BTKH", self.dtype)
-    v_btkh = self.v_proj(x_btd, "BTD,DKH->BTKH", self.dtype)
+    q_btnh = self.q_proj(x_btd, "BTD,DNH->BTNH", self.dtype, self.matmul_dtype)
+    k_btkh = self.k_proj(x_btd, "BTD,DKH->BTKH", self.dtype, self.matmul_dtype)
+    v_btkh = self.v_proj(x_btd, "BTD,DKH->BTKH", self.dtype, self.matmul_dtype)
     return (apply_rope(q_btnh, positions_bt, self.inv_freq_h),
             apply_rope(k_btkh, positions_bt, self.inv_freq_h), v_btkh)
 
   def out(self, attn_btnh: jax.Array) -> jax.Array:
-    return self.o_proj(attn_btnh, "BTNH,NHD->BTD", self.dtype)
+    return self.o_proj(attn_btnh, "BTNH,NHD->BTD", self.dtype, self.matmul_dtype)
 
 
 class Projection(nnx.Module):
@@ -132,20 +141,66 @@ class Projection(nnx.Module):
     if bias_init is not None:
       self.bias = make_param(rngs, bias_init, shape[1:], axes[1:], dtype)
 
-  def __call__(self, x: jax.Array, spec: str, dtype) -> jax.Array:
-    """``einsum(spec, x, kernel)`` for a ``spec`` whose input and output both start with ``BT``: batch and
-    time are merged into one row axis first, so every projection is a 2-D-by-kernel contraction (its
-    weight gradient contracts over one axis, which XLA lowers without a transposed copy)."""
+  def __call__(self, x: jax.Array, spec: str, dtype, matmul_dtype=None) -> jax.Array:
+    """``einsum(spec, x, kernel)`` for a ``spec`` like "BTD,DNH->BTNH" or "BTNH,NHD->BTD": every input axis
+    after ``BT`` is contracted with the kernel's leading axes. It runs as one 2-D matmul: batch and time
+    merged into rows, the contracted axes into one (a weight gradient contracting over one axis, which XLA
+    lowers without a transposed copy; and no per-call transpose of a two-axis contraction).
+
+    ``dtype`` is the activations' dtype. With a different ``matmul_dtype`` (the 'bf16_matmul' policy) the
+    contraction is a `mixed_matmul`: inputs cast to ``matmul_dtype``, accumulated and returned in
+    float32, its gradients computed the same way.
+    """
     lhs, rest = spec.split(",")
     kernel_spec, out = rest.split("->")
-    if not (lhs.startswith("BT") and out.startswith("BT")):
-      raise ValueError(f"Projection: spec {spec!r} must map BT... to BT...")
+    n_in = len(lhs) - 2
+    if not (lhs.startswith("BT") and out.startswith("BT")) or kernel_spec != lhs[2:] + out[2:]:
+      raise ValueError(f"Projection: spec {spec!r} must map BT... to BT..., contracting every input axis "
+                       "with the kernel's leading axes")
     b, t = x.shape[:2]
-    rows = x.reshape((b * t,) + x.shape[2:]).astype(dtype)
-    y = jnp.einsum(f"M{lhs[2:]},{kernel_spec}->M{out[2:]}", rows, self.kernel[...].astype(dtype))
+    kernel = self.kernel[...]
+    rows_mk = x.reshape(b * t, -1)
+    kernel_kn = kernel.reshape(math.prod(kernel.shape[:n_in]), -1)
+    if matmul_dtype is None or jnp.dtype(matmul_dtype) == jnp.dtype(dtype):
+      y = jnp.dot(rows_mk.astype(dtype), kernel_kn.astype(dtype))
+    else:
+      y = mixed_matmul(rows_mk, kernel_kn, jnp.dtype(matmul_dtype).name).astype(dtype)
+    y = y.reshape((b * t,) + kernel.shape[n_in:])
     if hasattr(self, "bias"):
       y = y + self.bias[...].astype(dtype)
     return y.reshape((b, t) + y.shape[1:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def mixed_matmul(x_mk: jax.Array, w_kn: jax.Array, low: str) -> jax.Array:
+  """float32 ``x @ w`` computed from inputs cast to ``low`` (e.g. 'bfloat16'), accumulated in float32.
+
+  The backward pass does the same: the incoming float32 gradient is cast to ``low`` and both gradient
+  matmuls accumulate in float32 (returned in the inputs' own dtypes). The residuals kept for the backward
+  pass are the low-precision copies, half the memory of float32 activations.
+  """
+  return _low_dot(x_mk.astype(low), w_kn.astype(low))
+
+
+def _low_dot(a, b, contract=((1,), (0,))):
+  return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=F32)
+
+
+def _mixed_matmul_fwd(x_mk, w_kn, low):
+  x_low, w_low = x_mk.astype(low), w_kn.astype(low)
+  # Zero-size arrays carry the inputs' dtypes to the backward pass (residuals must be arrays).
+  return _low_dot(x_low, w_low), (x_low, w_low, jnp.zeros((0,), x_mk.dtype), jnp.zeros((0,), w_kn.dtype))
+
+
+def _mixed_matmul_bwd(low, residuals, g_mn):
+  x_low, w_low, x_tag, w_tag = residuals
+  g_low = g_mn.astype(low)
+  dx_mk = _low_dot(g_low, w_low, ((1,), (1,))).astype(x_tag.dtype)
+  dw_kn = _low_dot(x_low, g_low, ((0,), (0,))).astype(w_tag.dtype)
+  return dx_mk, dw_kn
+
+
+mixed_matmul.defvjp(_mixed_matmul_fwd, _mixed_matmul_bwd)
 
 
 class MLP(nnx.Module):
@@ -153,15 +208,15 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, init_std: float, rngs: nnx.Rngs):
     d, f, wd = cfg.hidden_size, cfg.intermediate_size, cfg.weight_dtype
-    self.dtype = cfg.compute_dtype
+    self.dtype, self.matmul_dtype = cfg.compute_dtype, cfg.matmul_dtype
     self.gate_proj = Projection(rngs, init_std, (d, f), ("embed", "mlp"), wd, None)
     self.up_proj = Projection(rngs, init_std, (d, f), ("embed", "mlp"), wd, None)
     self.down_proj = Projection(rngs, init_std, (f, d), ("mlp", "embed"), wd, None)
 
   def __call__(self, x_btd: jax.Array) -> jax.Array:
-    gate_btf = self.gate_proj(x_btd, "BTD,DF->BTF", self.dtype)
-    up_btf = self.up_proj(x_btd, "BTD,DF->BTF", self.dtype)
-    return self.down_proj(jax.nn.silu(gate_btf) * up_btf, "BTF,FD->BTD", self.dtype)
+    gate_btf = self.gate_proj(x_btd, "BTD,DF->BTF", self.dtype, self.matmul_dtype)
+    up_btf = self.up_proj(x_btd, "BTD,DF->BTF", self.dtype, self.matmul_dtype)
+    return self.down_proj(jax.nn.silu(gate_btf) * up_btf, "BTF,FD->BTD", self.dtype, self.matmul_dtype)
 
 
 class DecoderLayer(nnx.Module):
@@ -183,17 +238,26 @@ class DecoderLayer(nnx.Module):
     return x_btd + self.mlp(self.post_attn_norm(x_btd))
 
   def with_cache(self, x_btd, positions_bt, mask_bts, cache, layer: int, write_bt):
-    """Like `__call__`, reading and writing layer `layer` of `cache` ({'k','v'}: [L,B,S,K,H])."""
+    """Like `__call__`, reading and writing layer `layer` of `cache` ({'k','v'}: [L,B,K,S,H])."""
     q_btnh, k_btkh, v_btkh = self.attn.qkv(self.input_norm(x_btd), positions_bt)
     cache = {name: write_rows(cache[name], layer, write_bt, new)
              for name, new in (("k", k_btkh), ("v", v_btkh))}
     attn_btnh = attend(q_btnh, cache["k"][layer].astype(q_btnh.dtype),
-                       cache["v"][layer].astype(q_btnh.dtype), mask_bts)
+                       cache["v"][layer].astype(q_btnh.dtype), mask_bts, kv_axes="BKSH")
     x_btd = x_btd + self.attn.out(attn_btnh)
     return x_btd + self.mlp(self.post_attn_norm(x_btd)), cache
 
 
-def write_rows(cache_lbskh: jax.Array, layer: int, write_bt: jax.Array, new_btkh: jax.Array) -> jax.Array:
-  """Scatters new_btkh[b, t] to cache[layer, b, write_bt[b, t]]; out-of-range indices are dropped."""
-  rows_bt = jnp.broadcast_to(jnp.arange(write_bt.shape[0])[:, None], write_bt.shape)
-  return cache_lbskh.at[layer, rows_bt, write_bt].set(new_btkh.astype(cache_lbskh.dtype), mode="drop")
+def write_rows(cache_lbksh: jax.Array, layer: int, write_bt: jax.Array, new_btkh: jax.Array) -> jax.Array:
+  """Scatters new_btkh[b, t] to cache[layer, b, :, write_bt[b, t]]; out-of-range indices are dropped.
+
+  B is a batching dimension of the scatter (row b of the updates only ever goes to cache row b), so with
+  B sharded each shard writes its own rows, without gathering every row's update onto every device.
+  """
+  layer_bt1 = jnp.full(write_bt.shape + (1,), layer, jnp.int32)
+  index_bt2 = jnp.concatenate([layer_bt1, write_bt[..., None].astype(jnp.int32)], axis=-1)
+  dims = jax.lax.ScatterDimensionNumbers(
+      update_window_dims=(2, 3), inserted_window_dims=(0, 3), scatter_dims_to_operand_dims=(0, 3),
+      operand_batching_dims=(1,), scatter_indices_batching_dims=(0,))
+  return jax.lax.scatter(cache_lbksh, index_bt2, new_btkh.astype(cache_lbksh.dtype), dims,
+                         mode=jax.lax.GatherScatterMode.FILL_OR_DROP)

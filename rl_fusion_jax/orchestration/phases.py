@@ -208,6 +208,24 @@ def _packed_update(setup: Setup, programs: Programs, state, rollout: Rollout, ba
   return state, train_metrics, stats
 
 
+def batch_width(cfg, length_b) -> int:
+  """The row width the update runs at: the longest sample (prompt + response, ``length_b``) rounded up to
+  a width bucket (``step.train_width``); the positions past it are padding in every row."""
+  return step_lib.train_width(int(np.max(length_b, initial=0)), cfg.rollout.seq_len)
+
+
+def cut_width(rollout: Rollout, width: int) -> Rollout:
+  """``rollout`` (host or device arrays) with its per-token fields (tokens, behaviour log-probs, versions)
+  cut to their first ``width`` positions; as it is when already that wide."""
+  if rollout.tokens_bt.shape[1] == width:
+    return rollout
+  if rollout.tokens_bt.shape[1] < width:
+    raise ValueError(f"rows of {rollout.tokens_bt.shape[1]} tokens cannot widen to {width}")
+  cut = lambda x_bt: x_bt[:, :width]
+  return rollout.replace(tokens_bt=cut(rollout.tokens_bt), logp_bt=cut(rollout.logp_bt),
+                         version_bt=cut(rollout.version_bt))
+
+
 def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int, timeline: Timeline,
                 problems, rollout: Rollout, device_rollout: Rollout | None = None):
   """Reward -> reference -> advantages -> update -> publish on a host batch sorted by sample id.
@@ -216,10 +234,15 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
   the host verifies the responses (most of them already verified during generation by
   ``programs.verify``); the update waits for both. ``device_rollout``: the same batch already on the
   training mesh (e.g. read from the queue per data-parallel group); default: built from ``rollout``.
+  Both are cut to ``batch_width`` first (if wider), so the reference, the reward model, the batch assembly
+  and the update all run on that width; every loss value is the full-width one.
   """
   cfg, d = setup.cfg, programs.deployment
+  width = batch_width(cfg, np.asarray(rollout.prompt_len_b) + np.asarray(rollout.response_len_b))
+  rollout = cut_width(rollout, width)
   if device_rollout is None:
     device_rollout = jax.tree.map(lambda x: data.to_global(programs.mesh, x), rollout)
+  device_rollout = cut_width(device_rollout, width)
   metrics = {}
   t0 = time.perf_counter()
   aux_tokens = _on_aux(programs, device_rollout.tokens_bt, rollout.tokens_bt)
@@ -267,7 +290,7 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
       "response_len_mean": float(resp.mean()), "response_len_max": float(resp.max()),
       "truncated_frac": float(1 - rollout.finished_b.mean()),
       "reward_s": reward_s, "ref_s": ref_s, "train_s": train_s,
-      "train_tokens": real_tokens, "train_tokens_per_s": real_tokens / train_s,
+      "train_tokens": real_tokens, "train_tokens_per_s": real_tokens / train_s, "train_width": float(width),
       "policy_version": float(step + 1)}
   return state, metrics
 

@@ -3,9 +3,10 @@
 Built once per run from a validated Setup: the deployment (meshes, layouts, residency), the generation
 engines (sampling and greedy evaluation) on the rollout mesh, on the training mesh the RL update and
 the batch assembly, and on the aux mesh (the training mesh unless ``fusion.mode=hybrid``) the reference
-log-probs and the reward-model score. Every program has fixed shapes and explicit shardings, so each
-compiles once. The host stage that verifies finished samples during generation (``verify``) is
-attached to the sampling engine here.
+log-probs and the reward-model score. Every program has explicit shardings and a few fixed shapes, so each
+compiles once per shape: the train-side programs once per row width (``step.train_width``), the packed
+update once per row bucket. The host stage that verifies finished samples during generation (``verify``)
+is attached to the sampling engine here.
 """
 from __future__ import annotations
 
@@ -87,14 +88,14 @@ class Programs:
                                                   group_size=1),
                               d.rollout_mesh, d.rollout_param_shardings)
     temperature = sampling.logprob_temperature
-    self.train_step = step_lib.make_rl_step(model_cfg, cfg.algo, temperature, self.tx,
-                                            cfg.optim.micro_batches, self.mesh, r.max_new_tokens,
-                                            self.state_shardings)
+    # The micro-batch count follows each batch's shape (width bucket, row bucket): see OptimConfig.
+    self.micro = step_lib.MicroBatching.from_optim(cfg.optim, self.mesh.devices.flat[0].platform)
+    self.train_step = step_lib.make_rl_step(model_cfg, cfg.algo, temperature, self.tx, self.micro, self.mesh,
+                                            r.max_new_tokens, self.state_shardings)
     self.packed_step, self.row_buckets = None, ()
     if cfg.optim.pack_rows:
-      self.packed_step = packed_step.make_packed_rl_step(model_cfg, cfg.algo, temperature, self.tx,
-                                                         cfg.optim.micro_batches, self.mesh, r.max_new_tokens,
-                                                         self.state_shardings)
+      self.packed_step = packed_step.make_packed_rl_step(model_cfg, cfg.algo, temperature, self.tx, self.micro,
+                                                         self.mesh, r.max_new_tokens, self.state_shardings)
       multiple = packing.row_multiple(mesh_lib.batch_shards(self.mesh), cfg.optim.micro_batches)
       self.row_buckets = packing.row_buckets(r.batch_size, multiple, per_doubling=2)
     # Reference and reward models run on the deployment's aux mesh (the training mesh unless hybrid).

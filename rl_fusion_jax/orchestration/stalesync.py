@@ -124,15 +124,18 @@ class StaleSync:
     The device batch is built by ``queue_arrays``: one queue read per data-parallel group of this
     process's devices, each group's rows padded from their packed form on their own (no padded copy of
     the whole batch is built to be split). The host Rollout, for verification and statistics, is unpacked
-    from the same reads (in one process these are all the rows)."""
+    from the same reads (in one process these are all the rows). Both are as wide as the update runs
+    (``phases.batch_width`` of the admitted samples' lengths), never ``seq_len`` when that is wider."""
     order = np.sort(np.asarray(indices, np.int64))
+    lengths = self.queue.peek(order, ("prompt_len", "response_len"))
+    width = phases.batch_width(self.setup.cfg, lengths["prompt_len"] + lengths["response_len"])
     reads: list[Batch] = []
 
     def read(part):
       reads.append(self.queue.read(CONSUMER, part))
       return reads[-1]
 
-    arrays = queue_arrays(self.programs.mesh, read, order, self.r.seq_len, pads=PADS)
+    arrays = queue_arrays(self.programs.mesh, read, order, width, pads=PADS)
     device = Rollout(tokens_bt=arrays["tokens"], prompt_len_b=arrays["prompt_len"],
                      response_len_b=arrays["response_len"], logp_bt=arrays["logp"],
                      version_bt=arrays["version"], finished_b=arrays["finished"],
@@ -141,7 +144,7 @@ class StaleSync:
     if sum(len(b) for b in reads) != len(order):
       raise RuntimeError("StaleSync: this process's queue reads do not cover the batch (several processes "
                          "are not supported by the StaleSync loop yet)")
-    host = host_rollout(reads, self.r.seq_len)
+    host = host_rollout(reads, width)
     return host, device
 
   # -- one step ----------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ Partial rollout, and what happens to in-flight samples between runs. The default
 the end of every run and, at the start of the next, re-prefills each in-flight sample's prompt + partial
 response under the weights of that run. Earlier tokens keep the log-probs and versions they were sampled
 with; new tokens get the new version. The alternative, ``keep_cache=True``, keeps the cache across runs:
-  * memory: re-prefill frees the whole cache (L x S x T x K x H x 2) between phases, so training gets
+  * memory: re-prefill frees the whole cache (L x S x K x T x H x 2) between phases, so training gets
     that memory; keeping it holds the cache through the training phase.
   * compute: re-prefill costs one forward over every in-flight prefix per run (a prefill, so at
     matmul-friendly shapes; small next to decoding the long tail), keeping costs nothing.
@@ -465,7 +465,10 @@ class Engine:
       self._occupant[slot] = request
       batch.append((slot, request))
     for start in range(0, len(batch), self.rows):
-      self._prefill(params, batch[start:start + self.rows], True, self.cfg.spec.max_prompt_len, stats)
+      chunk = batch[start:start + self.rows]
+      # A new sample's prefix is its prompt but the last token, which the first decode step processes.
+      need = max(len(request.prompt) for _, request in chunk) - 1
+      self._prefill(params, chunk, True, slots.prefill_width(self.programs.widths, need), stats)
 
   def _reprefill(self, params, stats) -> None:
     """Recomputes the KV of every in-flight prefix (prompt + response so far) under ``params``."""
@@ -474,7 +477,7 @@ class Engine:
     order = sorted(need, key=need.get)
     for start in range(0, len(order), self.rows):
       chunk = order[start:start + self.rows]
-      width = next(w for w in self.programs.widths if w >= need[chunk[-1]])
+      width = slots.prefill_width(self.programs.widths, need[chunk[-1]])
       self._prefill(params, [(s, self._occupant[s]) for s in chunk], False, width, stats)
       stats["reprefill_rows"] += len(chunk)
 

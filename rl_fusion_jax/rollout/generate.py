@@ -61,10 +61,20 @@ class GenerateSpec:
 
 
 def put_at(buf_bt, pos_b, value_b, active_b):
-  """buf[b, pos_b] = value_b where active_b; out-of-range positions are dropped."""
-  rows = jnp.arange(buf_bt.shape[0])
-  current = buf_bt.at[rows, pos_b].get(mode="fill", fill_value=0)
-  return buf_bt.at[rows, pos_b].set(jnp.where(active_b, value_b, current), mode="drop")
+  """buf[b, pos_b] = value_b where active_b; positions outside [0, T) write nothing.
+
+  A select over the whole [B, T] buffer rather than a scatter: the buffers are small, and a scatter
+  whose row index is data makes a batch-sharded program gather every row's indices and values onto
+  every device.
+  """
+  hit_bt = active_b[:, None] & (jnp.arange(buf_bt.shape[1]) == pos_b[:, None])
+  return jnp.where(hit_bt, jnp.asarray(value_b, buf_bt.dtype)[:, None], buf_bt)
+
+
+def take_at(buf_bt, pos_b):
+  """buf[b, pos_b] per row, 0 where pos_b is outside [0, T) (a masked sum: no gather, as in `put_at`)."""
+  hit_bt = jnp.arange(buf_bt.shape[1]) == pos_b[:, None]
+  return jnp.sum(jnp.where(hit_bt, buf_bt, 0), axis=1, dtype=buf_bt.dtype)
 
 
 def _append(spec: GenerateSpec, state: DecodeState, pos_b, token_b, logp_b, version) -> DecodeState:
@@ -100,12 +110,10 @@ def prefill(spec: GenerateSpec, params, cache, prompt_bp, prompt_len_b, sample_i
 
 def decode(spec: GenerateSpec, params, cache, state: DecodeState, rng, version):
   """Decodes until every row is done (EOS or max_new_tokens), one token per row per step."""
-  rows = jnp.arange(state.tokens_bt.shape[0])
-
   def body(carry):
     state, cache = carry
     pos_b = state.prompt_len_b + state.response_len_b - 1          # each row's newest token
-    last_b = state.tokens_bt[rows, pos_b]
+    last_b = take_at(state.tokens_bt, pos_b)
     logits_b1v, cache = models.forward_with_cache(spec.model, params, last_b[:, None], pos_b[:, None],
                                                   cache)
     keys_b = sample_keys(rng, state.sample_id_b, state.response_len_b)

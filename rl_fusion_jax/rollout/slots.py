@@ -1,6 +1,6 @@
 """Device side of the generation engine: per-slot state, fixed-shape prefill into slots, chunked decode.
 
-A fixed number of slots share one KV cache ``{'k','v'}: [L, S, T, K, H]`` with ``T = max_prompt_len +
+A fixed number of slots share one KV cache ``{'k','v'}: [L, S, K, T, H]`` with ``T = max_prompt_len +
 max_new_tokens``. Both programs here are pure functions that take the cache and the slot state donated and
 return them, so a refill never reallocates anything and shapes never change:
 
@@ -29,9 +29,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from rl_fusion_jax import models
-from rl_fusion_jax.rollout.generate import GenerateSpec, put_at
+from rl_fusion_jax.rollout.generate import GenerateSpec, put_at, take_at
 from rl_fusion_jax.rollout.sampling import sample, sample_keys
 from rl_fusion_jax.sharding.mesh import BATCH_AXES, batch_sharding, replicated
+
+# The narrowest prefill: below it a forward saves little, and every width is one more compile.
+MIN_PREFILL_WIDTH = 8
 
 
 @flax.struct.dataclass
@@ -92,7 +95,7 @@ def prefill(spec: GenerateSpec, width: int, params, cache, state: SlotState, slo
   rows_cache = models.init_cache(spec.model, tokens_rw.shape[0], width, dtype=cache["k"].dtype)
   # The logits are unused, so XLA drops the LM head from this program.
   _, rows_cache = models.forward_with_cache(spec.model, params, tokens_rw, positions_rw, rows_cache)
-  cache = {name: cache[name].at[:, slot_r, :width].set(rows_cache[name], mode="drop") for name in cache}
+  cache = {name: cache[name].at[:, slot_r, :, :width].set(rows_cache[name], mode="drop") for name in cache}
   return state, cache
 
 
@@ -118,42 +121,53 @@ def decode_chunk(spec: GenerateSpec, params, cache, state: SlotState, steps, min
   then has that many slots to refill; pass more than S to run the full ``steps``).
   """
   num_slots, seq_len = state.tokens_st.shape
-  rows = jnp.arange(num_slots)
-  done_at_start_s = state.done_s
+  done_at_start_s, response_len_at_start_s = state.done_s, state.response_len_s
 
   def body(carry):
-    step, tokens, state, cache = carry
+    step, state, cache = carry
     active_s = ~state.done_s
     pos_s = state.prompt_len_s + state.response_len_s - 1          # each slot's newest token
-    last_s = state.tokens_st.at[rows, pos_s].get(mode="fill", fill_value=0)
+    last_s = take_at(state.tokens_st, pos_s)
     write_s = jnp.where(active_s, pos_s, seq_len)                  # inactive slots write nothing
     logits_s1v, cache = models.forward_with_cache(spec.model, params, last_s[:, None], write_s[:, None],
                                                   cache)
     keys_s = sample_keys(rng, state.sample_id_s, state.response_len_s)
     token_s, logp_s = sample(logits_s1v[:, 0], keys_s, spec.sampling)
     state = _append(spec, state, pos_s + 1, token_s, logp_s, version)
-    return step + 1, tokens + jnp.sum(active_s, dtype=jnp.int32), state, cache
+    return step + 1, state, cache
 
   def cond(carry):
-    step, _, state, _ = carry
-    newly_done = jnp.sum(state.done_s & ~done_at_start_s, dtype=jnp.int32)
-    return (step < steps) & ~jnp.all(state.done_s) & (newly_done < min_done)
+    step, state, _ = carry
+    # Both counts in one reduction: one cross-device sum per step when the slots are sharded.
+    active, newly_done = jnp.sum(jnp.stack([~state.done_s, state.done_s & ~done_at_start_s]), axis=1,
+                                 dtype=jnp.int32)
+    return (step < steps) & (active > 0) & (newly_done < min_done)
 
-  zero = jnp.zeros((), jnp.int32)
-  step, tokens, state, cache = jax.lax.while_loop(cond, body, (zero, zero, state, cache))
+  step, state, cache = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state, cache))
+  # Every step appends one token to each active slot, so the tokens sampled are the length increments.
+  tokens = jnp.sum(state.response_len_s - response_len_at_start_s, dtype=jnp.int32)
   return state, cache, step, tokens
 
 
 def prefill_widths(max_prompt_len: int, seq_len: int) -> tuple[int, ...]:
-  """Prefill widths, one compile each: the prompt width, then doubling up to the full row.
+  """Prefill widths, one compile each (on first use), ascending: powers of two from ``MIN_PREFILL_WIDTH``
+  below the prompt width, the prompt width, then doubling up to the full row.
 
-  Fresh prompts use the first; a re-prefilled prefix the smallest that holds it, so recomputing a short
-  partial response does not pay for a full-row forward.
+  A prefill call uses the smallest width that holds its longest prefix, so a batch of short prompts
+  does not pay for a forward over ``max_prompt_len`` positions, nor a short partial response for a
+  full-row one.
   """
-  widths = [max_prompt_len]
+  widths = [w for w in (MIN_PREFILL_WIDTH << i for i in range(max_prompt_len.bit_length()))
+            if w < max_prompt_len]
+  widths.append(max_prompt_len)
   while widths[-1] * 2 < seq_len:
     widths.append(widths[-1] * 2)
   return tuple(widths) + (seq_len,)
+
+
+def prefill_width(widths: tuple[int, ...], need: int) -> int:
+  """The smallest of ``widths`` (ascending) that holds ``need`` prefix positions."""
+  return next(w for w in widths if w >= need)
 
 
 class SlotPrograms:

@@ -12,7 +12,8 @@ differ from ``step.make_rl_step``, and each is chosen so that the loss is the pa
   ``algorithms.token_weights`` gives the padded weights (exactly: they are integer counts).
 * Advantages are per token ([R, W]); the policy losses accept [B, T] advantages as they are.
 
-The step is jitted once per row count (bucket): the width is fixed, so R is the only shape that varies.
+The step is jitted once per row count (bucket): the width is fixed, so R is the only shape that varies;
+under a token budget each bucket takes its own micro-batch count (``step.MicroBatching``).
 This module must never call the model outside the loss, build a padded [B, T] copy of the batch on the
 device, or use a policy loss that reduces over a whole row (``tis_seq``: a row holds several samples).
 """
@@ -130,11 +131,12 @@ def packed_rl_loss(model_cfg: models.ModelConfig, algo: AlgoConfig, temperature:
       mask_bt=batch.mask_rw, ref_logp_bt=batch.ref_logp_rw, weights=weights)
 
 
-def packed_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, num_micro: int, mesh: Mesh,
-                   norm_len: int, state: TrainState, batch: PackedTrainBatch):
+def packed_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: step_lib.MicroBatching,
+                   mesh: Mesh, norm_len: int, state: TrainState, batch: PackedTrainBatch):
   loss_w_rw = packed_token_weights(batch.mask_rw, batch.segment_ids_rw, algo.aggregation, norm_len=norm_len)
   weights = (loss_w_rw, algorithms.token_weights(batch.mask_rw, "token-mean"))
   loss_fn = functools.partial(packed_rl_loss, model_cfg, algo, temperature)
+  num_micro = micro.num_micro(*batch.tokens_rw.shape, batch_shards(mesh))
   return step_lib.update(loss_fn, tx, num_micro, mesh, state, batch, weights, bump_version=True)
 
 
@@ -144,14 +146,16 @@ def check_packable(algo: AlgoConfig) -> None:
                      "holds several samples; use the padded step (step.make_rl_step)")
 
 
-def make_packed_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, num_micro: int, mesh: Mesh,
-                        norm_len: int, shardings: TrainState):
+def make_packed_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx,
+                        micro: step_lib.MicroBatching | int, mesh: Mesh, norm_len: int, shardings: TrainState):
   """``train_step(state, packed_batch) -> (state, metrics)``: one compile per row bucket, state donated.
 
   Same arguments as ``step.make_rl_step``; the batch's row count must be a multiple of
-  ``batch_shards * num_micro`` (``packing.row_multiple``).
+  ``batch_shards * micro.count`` (``packing.row_multiple``). With a token budget, each bucket's
+  micro-batch count is derived from its rows and width (``step.micro_batch_count``).
   """
   check_packable(algo)
-  fn = functools.partial(packed_rl_step, model_cfg, algo, temperature, tx, num_micro, mesh, norm_len)
+  micro = step_lib.as_micro_batching(micro)
+  fn = functools.partial(packed_rl_step, model_cfg, algo, temperature, tx, micro, mesh, norm_len)
   return jax.jit(fn, in_shardings=(shardings, packed_batch_shardings(mesh)),
                  out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))

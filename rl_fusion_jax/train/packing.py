@@ -34,18 +34,29 @@ def row_multiple(batch_shards: int, micro_batches: int) -> int:
   return batch_shards * micro_batches
 
 
+def _smooth_ceil(x: float) -> int:
+  """The smallest 2^a * 3^b >= x."""
+  best, three = 2 ** math.ceil(math.log2(max(x, 1.0)) - 1e-9), 1
+  while three < x:
+    three *= 3
+    best = min(best, three * 2 ** max(0, math.ceil(math.log2(x / three) - 1e-9)))
+  return best
+
+
 def row_buckets(num_samples: int, multiple: int, per_doubling: int = 1) -> tuple[int, ...]:
-  """Row counts ``multiple * 2 ** (k / per_doubling)`` (rounded up to a multiple) below the all-rows case,
+  """Row counts ``multiple * s`` below the all-rows case, s the smallest 2^a * 3^b >= 2 ** (k / per_doubling),
   then that case (``num_samples`` rounded up to a multiple).
 
   One sample per row always fits (a sample never exceeds the width), so the last bucket always does. More
-  steps per doubling waste fewer padding rows and cost more compiles (one per bucket used).
+  steps per doubling waste fewer padding rows and cost more compiles (one per bucket used). The factors
+  2^a * 3^b (1, 2, 3, 4, 6, 8, 12, 16, 24, ...) have many divisors, so a token budget can split a bucket
+  into micro-batches of about the budgeted size (``step.micro_batch_count``).
   """
   if per_doubling < 1:
     raise ValueError(f"per_doubling must be >= 1, got {per_doubling}")
   top = max(multiple, math.ceil(num_samples / multiple) * multiple)
   buckets, k = set(), 0
-  while (rows := math.ceil(2 ** (k / per_doubling) - 1e-9) * multiple) < top:
+  while (rows := _smooth_ceil(2 ** (k / per_doubling)) * multiple) < top:
     buckets.add(rows)
     k += 1
   return tuple(sorted(buckets)) + (top,)

@@ -1,13 +1,17 @@
 """The jitted update steps: ``train_step(state, batch) -> (state, metrics)`` for RL and for SFT warm-up.
 
-Each is compiled once with explicit in/out shardings and the state donated. Gradients accumulate over
-micro-batches in a ``lax.scan``; the loss aggregation is expressed as per-token weights computed on the
-whole batch first (``algorithms.token_weights``), so accumulation gives exactly the full-batch gradient.
-Micro-batches take every M-th row, so each device's shard contributes equally to every micro-batch.
+Each is compiled once per batch shape with explicit in/out shardings and the state donated. Gradients
+accumulate over micro-batches in a ``lax.scan``; the loss aggregation is expressed as per-token weights
+computed on the whole batch first (``algorithms.token_weights``), so accumulation gives exactly the
+full-batch gradient. Micro-batches take every M-th row, so each device's shard contributes equally to
+every micro-batch. The RL step derives M from the batch's static shape (``MicroBatching``) and the host
+cuts the batch width to the longest sample (``train_width``), so each width compiles once.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -18,13 +22,85 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from rl_fusion_jax import algorithms, models
 from rl_fusion_jax.algorithms import registry
 from rl_fusion_jax.config import AlgoConfig
-from rl_fusion_jax.sharding.mesh import BATCH_AXES, batch_sharding, replicated
+from rl_fusion_jax.sharding.mesh import BATCH_AXES, batch_sharding, batch_shards, replicated
 from rl_fusion_jax.train.logprobs import token_logprobs
 from rl_fusion_jax.train.state import TrainState
 from rl_fusion_jax.types import TrainBatch
 
 # loss_fn(params, micro_batch, weights_bt) -> (loss, metric_sums); metric sums add over micro-batches.
 LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+
+
+# Token positions per micro-batch and device (rows per batch shard * width) when
+# ``optim.tokens_per_micro_batch`` is 0 / None. On CPU, smaller micro-batches keep the activations in the
+# caches: tiny-grpo's update on 2 cores ([128, 44], 2 devices), median of 14 interleaved steps: 1, 2, 4, 8
+# micro-batches (2816, 1408, 704, 352 positions per device) took 0.90, 0.75, 0.73, 0.75 s, and 16 / 32
+# micro-batches were slower again. On GPU / TPU, micro-batching only bounds memory, so the budget is large.
+DEFAULT_TOKENS_PER_MICRO_BATCH = {"cpu": 1024}
+ACCELERATOR_TOKENS_PER_MICRO_BATCH = 32768
+
+
+def tokens_per_micro_batch(value: int | None, platform: str) -> int:
+  """``optim.tokens_per_micro_batch`` resolved: the value itself, or the platform's default for 0 / None."""
+  return value or DEFAULT_TOKENS_PER_MICRO_BATCH.get(platform, ACCELERATOR_TOKENS_PER_MICRO_BATCH)
+
+
+def micro_batch_count(rows: int, width: int, tokens: int, shards: int) -> int:
+  """The fewest micro-batches such that each holds at most ``tokens`` positions per device (its rows per
+  batch shard * ``width``) and the same number of rows on each of the ``shards`` batch shards (the count
+  divides ``rows / shards``).
+
+  When even one row per shard exceeds the budget, one row per shard (the most micro-batches possible).
+  ``tokens`` = 0: no budget, one micro-batch.
+  """
+  if rows % shards:
+    raise ValueError(f"{rows} rows do not split over {shards} batch shards")
+  per_shard = rows // shards
+  if not tokens:
+    return 1
+  divisors = [m for m in range(1, per_shard + 1) if per_shard % m == 0]
+  return next((m for m in divisors if per_shard // m * width <= tokens), divisors[-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatching:
+  """How an update splits its batch: ``count`` > 1 fixes the number of micro-batches (it wins); otherwise
+  each micro-batch holds at most ``tokens`` positions per device (0: the whole batch at once)."""
+  count: int = 1
+  tokens: int = 0
+
+  @classmethod
+  def from_optim(cls, optim, platform: str) -> MicroBatching:
+    return cls(optim.micro_batches, tokens_per_micro_batch(optim.tokens_per_micro_batch, platform))
+
+  def num_micro(self, rows: int, width: int, shards: int) -> int:
+    return self.count if self.count > 1 else micro_batch_count(rows, width, self.tokens, shards)
+
+
+def as_micro_batching(micro: MicroBatching | int) -> MicroBatching:
+  """An int is a fixed micro-batch count."""
+  return micro if isinstance(micro, MicroBatching) else MicroBatching(count=int(micro))
+
+
+# Token widths of training rows: every width up to 32 in steps of 4, then 8 steps per doubling (36, 40,
+# ..., 64, 72, ..., 128, 144, ...), capped at seq_len.
+MIN_WIDTH_STEP = 4
+WIDTH_STEPS_PER_DOUBLING = 8
+
+
+def train_width(max_len: int, seq_len: int) -> int:
+  """The row width an update runs at: the batch's longest sample (prompt + response) rounded up to a
+  bucket, at most ``seq_len``. Positions past every sample are padding in every row: dropping them
+  changes no loss value (their weights are 0; attention is causal) and saves their compute.
+
+  Buckets are multiples of 4 up to 32, then 8 per doubling (steps of 1/8 of the lower power of two), so
+  rounding wastes at most 4 positions or 1/8 of the width, and a run compiles at most
+  8 + 8 * log2(seq_len / 32) widths (12 for seq_len = 48), in practice the few its longest samples reach.
+  For tiny-grpo (longest sample 41 of 48) the width is 44.
+  """
+  n = max(int(max_len), 2)        # the log-prob shift needs two positions
+  step = max(MIN_WIDTH_STEP, 2 ** (math.ceil(math.log2(n)) - 1) // WIDTH_STEPS_PER_DOUBLING)
+  return min(seq_len, -(-n // step) * step)
 
 
 def split_micro_batches(tree, num_micro: int, mesh: Mesh):
@@ -152,11 +228,12 @@ def _metric_weights(mask_bt):
   return mask_bt / jnp.maximum(jnp.sum(mask_bt), 1.0)
 
 
-def rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, num_micro: int, mesh: Mesh, norm_len: int,
-            state: TrainState, batch: TrainBatch):
+def rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: MicroBatching, mesh: Mesh,
+            norm_len: int, state: TrainState, batch: TrainBatch):
   loss_w_bt = algorithms.token_weights(batch.mask_bt, algo.aggregation, norm_len=norm_len)
   weights = (loss_w_bt, _metric_weights(batch.mask_bt))
   loss_fn = functools.partial(rl_loss, model_cfg, algo, temperature)
+  num_micro = micro.num_micro(*batch.tokens_bt.shape, batch_shards(mesh))
   return update(loss_fn, tx, num_micro, mesh, state, batch, weights, bump_version=True)
 
 
@@ -172,10 +249,14 @@ def batch_shardings(mesh: Mesh) -> TrainBatch:
                     version_bt=b2)
 
 
-def make_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, num_micro: int, mesh: Mesh,
+def make_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: MicroBatching | int, mesh: Mesh,
                  norm_len: int, shardings: TrainState):
-  """``train_step(state, batch) -> (state, metrics)``, compiled once, state donated."""
-  fn = functools.partial(rl_step, model_cfg, algo, temperature, tx, num_micro, mesh, norm_len)
+  """``train_step(state, batch) -> (state, metrics)``, compiled once per batch shape, state donated.
+
+  ``micro``: a ``MicroBatching`` (the count follows the batch's shape) or a fixed micro-batch count.
+  ``norm_len`` (the Dr. GRPO constant) does not depend on the batch width.
+  """
+  fn = functools.partial(rl_step, model_cfg, algo, temperature, tx, as_micro_batching(micro), mesh, norm_len)
   return jax.jit(fn, in_shardings=(shardings, batch_shardings(mesh)),
                  out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
 

@@ -1,0 +1,108 @@
+"""The precision policies of `ModelConfig.dtype`: 'float32', 'bf16_matmul' and 'bfloat16'.
+
+`mixed_matmul` (the 'bf16_matmul' contraction) is checked against float64 numpy on the bfloat16-rounded
+inputs, forward and backward; the policies against float32 at the tolerance README states; generation
+against the training forward under the same policy.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rl_fusion_jax import models
+from rl_fusion_jax.config import MeshConfig
+from rl_fusion_jax.models import layers
+from rl_fusion_jax.rollout.generate import GenerateSpec, Generator
+from rl_fusion_jax.rollout.sampling import SamplingParams
+from rl_fusion_jax.sharding.mesh import make_mesh
+from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
+from rl_fusion_jax.train.logprobs import token_logprobs
+
+CFG = models.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                         intermediate_size=64, qkv_bias=True, max_position_embeddings=64)
+
+
+def _bf16_rounded(x) -> np.ndarray:
+  return np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+def test_mixed_matmul_forward_and_gradients_equal_float64_on_rounded_inputs():
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((12, 40)).astype(np.float32)
+  w = rng.standard_normal((40, 24)).astype(np.float32)
+  c = rng.standard_normal((12, 24)).astype(np.float32)   # d loss / d y
+  fn = lambda x, w: jnp.sum(layers.mixed_matmul(x, w, "bfloat16") * c)
+  y = layers.mixed_matmul(jnp.asarray(x), jnp.asarray(w), "bfloat16")
+  dx, dw = jax.grad(fn, argnums=(0, 1))(jnp.asarray(x), jnp.asarray(w))
+  xr, wr, cr = _bf16_rounded(x), _bf16_rounded(w), _bf16_rounded(c)
+  assert y.dtype == dx.dtype == dw.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(y), xr @ wr, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(dx), cr @ wr.T, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(dw), xr.T @ cr, rtol=1e-5, atol=1e-5)
+  # The rounding is real: the float32 product differs from the rounded-input one.
+  assert np.abs(x.astype(np.float64) @ w - xr @ wr).max() > 1e-3
+
+
+def _dot_operand_dtypes(cfg, params, tokens):
+  jaxpr = jax.make_jaxpr(lambda p, t: token_logprobs(cfg, p, t))(params, tokens)
+  found = []
+
+  def walk(jp):
+    for eqn in jp.eqns:
+      if eqn.primitive.name == "dot_general":
+        found.append((tuple(str(v.aval.dtype) for v in eqn.invars), str(eqn.outvars[0].aval.dtype)))
+      for sub in jax.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+  walk(jaxpr.jaxpr)
+  return found
+
+
+def test_bf16_matmul_runs_projections_in_bfloat16_and_the_rest_in_float32():
+  cfg = dataclasses.replace(CFG, dtype="bf16_matmul")
+  params = models.init_params(cfg, jax.random.key(0))
+  tokens = jnp.zeros((2, 8), jnp.int32)
+  dots = _dot_operand_dtypes(cfg, params, tokens)
+  low = [d for d in dots if d[0] == ("bfloat16", "bfloat16")]
+  # 7 projections per layer (q, k, v, o, gate, up, down) and the lm head, each accumulating in float32.
+  assert len(low) == 7 * cfg.num_layers + 1 and all(out == "float32" for _, out in low)
+  # Attention scores and the probability-weighted sum stay float32.
+  assert all(d[0] == ("float32", "float32") for d in dots if d not in low)
+  assert len(dots) == len(low) + 2 * cfg.num_layers
+  f32_dots = _dot_operand_dtypes(CFG, params, tokens)
+  assert all(d[0] == ("float32", "float32") for d in f32_dots)
+
+
+@pytest.mark.parametrize("policy,tolerance", [("bf16_matmul", 5e-3), ("bfloat16", 1e-2)])
+def test_policy_logprobs_within_stated_tolerance_of_float32(policy, tolerance):
+  """README's stated tolerance: token log-probs of a model at its initial scale (std 0.02) within 5e-3
+  (bf16_matmul) and 1e-2 (bfloat16) of float32."""
+  params = models.init_params(CFG, jax.random.key(0), init_std=0.02)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (4, 24)), jnp.int32)
+  ref = token_logprobs(CFG, params, tokens)
+  got = token_logprobs(dataclasses.replace(CFG, dtype=policy), params, tokens)
+  diff = float(jnp.max(jnp.abs(got - ref)))
+  assert 0 < diff < tolerance, diff
+
+
+def test_unknown_policy_is_rejected_naming_the_field():
+  with pytest.raises(ValueError, match=r"ModelConfig\.dtype.*bf16_matmul"):
+    dataclasses.replace(CFG, dtype="bf16")
+
+
+@pytest.mark.parametrize("mesh_cfg", [MeshConfig(data=-1), MeshConfig(data=2, fsdp=2, tensor=2)],
+                         ids=["data8", "data2_fsdp2_tensor2"])
+def test_generation_logprobs_match_the_training_forward_under_bf16_matmul(mesh_cfg):
+  cfg = dataclasses.replace(CFG, dtype="bf16_matmul")
+  mesh = make_mesh(mesh_cfg)
+  shardings = param_shardings(models.abstract_params(cfg), models.param_logical_axes(cfg), mesh, TRAIN_RULES)
+  params = jax.device_put(models.init_params(cfg, jax.random.key(0)), shardings)
+  p, n, b = 6, 10, 8
+  gen = Generator(GenerateSpec(cfg, SamplingParams(1.0), p, n, -1), mesh, shardings)
+  toks = jnp.asarray(np.random.default_rng(0).integers(3, 60, (b, p)), jnp.int32)
+  out = jax.device_get(gen(params, toks, jnp.full((b,), p, jnp.int32), jnp.arange(b, dtype=jnp.int32),
+                           jax.random.key(0), jnp.int32(0)))
+  train_logp = np.asarray(jax.jit(lambda q, t: token_logprobs(cfg, q, t))(params, out.tokens_bt))
+  np.testing.assert_allclose(out.logp_bt[:, p:], train_logp[:, p:], atol=1e-3)
+  assert np.isfinite(out.logp_bt).all() and (out.logp_bt[:, p:] < 0).all()
