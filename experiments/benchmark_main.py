@@ -25,6 +25,8 @@ _STEPS = flags.DEFINE_integer("steps", 10, "Measured steps.")
 _WARMUP = flags.DEFINE_integer("warmup_steps", 2, "Unmeasured steps after the first one.")
 _CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/rl_fusion_jax/jax_cache",
                              "Persistent XLA compilation cache ('' disables).")
+_PROFILE_DIR = flags.DEFINE_string("profile_dir", "", "Trace the measured steps with jax.profiler into this "
+                                   "folder (a Perfetto trace, *.trace.json.gz, beside the XPlane one).")
 _TURN_STEPS = flags.DEFINE_integer("turn_steps", 0, "Take turns: wait on stdin after the warm-up and "
                                    "after every N measured steps (0: never).")
 flags.mark_flags_as_required(["config"])
@@ -87,10 +89,14 @@ def main(argv):
   rows = []
   maybe_end_turn(0, rows)
   for step in range(1, 1 + _WARMUP.value + _STEPS.value):
+    if _PROFILE_DIR.value and step == _WARMUP.value + 1:
+      jax.profiler.start_trace(_PROFILE_DIR.value, create_perfetto_trace=True)
     state, m = phases.rl_step(setup, programs, state, ref, step, timeline)
     if step > _WARMUP.value:
       rows.append(m)
     maybe_end_turn(step, rows)
+  if _PROFILE_DIR.value:
+    jax.profiler.stop_trace()
   for r in rows:
     r["overhead_s"] = r["step_s"] - r["generate_s"] - r["train_s"]
   med = lambda k: statistics.median(r[k] for r in rows)
