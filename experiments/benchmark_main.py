@@ -117,9 +117,10 @@ def main(argv):
       "response_len_mean": round(med("response_len_mean"), 2),
       "batch": cfg.rollout.batch_size, "seq_len": cfg.rollout.seq_len, "mode": cfg.fusion.mode,
   }
-  for key in sorted(rows[0]):   # phase switch / weight sync figures, when the mode has them
+  for key in sorted({k for r in rows for k in r}):   # phase switch / weight sync figures, when present
     if key.startswith(("switch/", "sync/")):
-      out[key] = round(med(key), 4) if key.endswith("seconds") else med(key)
+      value = statistics.median(r[key] for r in rows if key in r)   # memory: only on sampled switches
+      out[key] = round(value, 4) if key.endswith("seconds") else value
   del first
   print(json.dumps(out, sort_keys=True))
 

@@ -18,7 +18,7 @@ def cfg(mode, **over):
                  num_kv_heads=2, intermediate_size=64, qkv_bias=True, tie_word_embeddings=False,
                  max_position_embeddings=32),
       mesh=dict(data=-1, fsdp=2, tensor=1),
-      fusion=dict(mode=mode, bucket_bytes=32768),
+      fusion=dict(mode=mode, bucket_bytes=32768, memory_every=2),
       task=dict(name="arithmetic", kwargs=dict(max_digits=2), eval_problems=8),
       rollout=dict(num_prompts=4, group_size=2, max_prompt_len=8, max_new_tokens=4, num_slots=8,
                    chunk_steps=2),
@@ -88,6 +88,10 @@ def test_colocated_switch_metrics(runs):
     assert r["switch/to_generate/offload_bytes"] > 0        # optimizer state went to the host
     assert r["switch/to_train/offload_bytes"] == r["switch/to_generate/offload_bytes"]
     assert r["switch/to_generate/buckets"] > 1
+  # fusion.memory_every=2: live memory sampled on every other switch of each direction only.
+  sampled = ["switch/to_generate/peak_bytes_max" in r for r in rows]
+  assert any(sampled) and not all(sampled), sampled
+  assert all(r["switch/to_generate/peak_bytes_max"] > 0 for r in rows if "switch/to_generate/peak_bytes_max" in r)
   _, _, sep = runs["separated"]
   assert all(r["sync/bytes"] > 0 for r in sep) and "switch/to_generate/params_bytes" not in sep[0]
 
@@ -135,6 +139,7 @@ def test_no_traces_after_the_first_steps(runs):
 @pytest.mark.parametrize("over,match", [
     ({"fusion.mode": "fused"}, "fusion.mode"),
     ({"fusion.bucket_bytes": 0}, "fusion.bucket_bytes"),
+    ({"fusion.memory_every": -1}, "fusion.memory_every"),
     ({"fusion.rollout_fraction": 0.01}, "rollout_fraction"),
     ({"fusion.generate_rules": [["embed", "model"]]}, "mesh axis 'model'"),
 ])

@@ -29,7 +29,7 @@ def get_config(arg: str = ""):
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, cpu_devices=0))
   c.fusion = ml_collections.ConfigDict(dict(
       mode="colocated", rollout_fraction=0.5, aux_devices=1, bucket_bytes=64 << 20,
-      offload_optimizer=True, train_rules=(), generate_rules=()))
+      offload_optimizer=True, memory_every=10, train_rules=(), generate_rules=()))
   c.task = ml_collections.ConfigDict(dict(
       name="arithmetic", kwargs=dict(min_digits=1, max_digits=2, ops="+-"), tokenizer="char",
       eval_seed=10_000, eval_problems=512, reward_model="", reward_model_weight=1.0,

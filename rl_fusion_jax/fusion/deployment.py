@@ -60,10 +60,13 @@ class Deployment:
 
   def __init__(self, *, train_mesh: Mesh, rollout_mesh: Mesh, aux_mesh: Mesh, layouts: reshard.Layouts,
                rollout_param_shardings, bucket_bytes: int, offload_optimizer: bool,
-               train_rules: Rules = TRAIN_RULES, generate_rules: Rules = GENERATE_RULES):
+               train_rules: Rules = TRAIN_RULES, generate_rules: Rules = GENERATE_RULES,
+               memory_every: int = 1):
     self.train_mesh, self.rollout_mesh, self.aux_mesh = train_mesh, rollout_mesh, aux_mesh
     self.layouts, self.rollout_param_shardings = layouts, rollout_param_shardings
     self.bucket_bytes, self.offload_optimizer = bucket_bytes, offload_optimizer
+    self.memory_every = memory_every
+    self._switches = {reshard.Phase.GENERATE: 0, reshard.Phase.TRAIN: 0}
     self.train_rules, self.generate_rules = train_rules, generate_rules
     self.groups = self._groups()
 
@@ -78,18 +81,27 @@ class Deployment:
 
   # --- actor ---------------------------------------------------------------------------------------
 
+  def _track_memory(self, phase) -> bool:
+    """Whether this switch samples live memory: the first of each direction, then every
+    ``memory_every``-th (``fusion.memory_every``; 0: never)."""
+    count = self._switches[phase]
+    self._switches[phase] = count + 1
+    return self.memory_every > 0 and count % self.memory_every == 0
+
   def to_generation(self, state):
     """-> (state, params to generate with, metrics)."""
     state, stats = reshard.to_phase(state, reshard.Phase.GENERATE, layouts=self.layouts,
                                     bucket_bytes=self.bucket_bytes,
-                                    offload_optimizer=self.offload_optimizer)
+                                    offload_optimizer=self.offload_optimizer,
+                                    track_memory=self._track_memory(reshard.Phase.GENERATE))
     return state, state.params, stats.as_metrics("switch/to_generate/")
 
   def to_training(self, state):
     """-> (state in the training layout, metrics)."""
     state, stats = reshard.to_phase(state, reshard.Phase.TRAIN, layouts=self.layouts,
                                     bucket_bytes=self.bucket_bytes,
-                                    offload_optimizer=self.offload_optimizer)
+                                    offload_optimizer=self.offload_optimizer,
+                                    track_memory=self._track_memory(reshard.Phase.TRAIN))
     return state, stats.as_metrics("switch/to_train/")
 
   def publish(self, params) -> dict[str, float]:
@@ -209,7 +221,7 @@ def make_deployment(cfg: ExperimentConfig, abstract_params, logical_axes, tx,
   return MODES[f.mode](train_mesh=train_mesh, rollout_mesh=rollout_mesh, aux_mesh=aux_mesh,
                        layouts=layouts, rollout_param_shardings=rollout_shardings,
                        bucket_bytes=f.bucket_bytes, offload_optimizer=f.offload_optimizer,
-                       train_rules=train_rules, generate_rules=generate_rules)
+                       train_rules=train_rules, generate_rules=generate_rules, memory_every=f.memory_every)
 
 
 def check_rules(cfg: ExperimentConfig, num_devices: int) -> None:
