@@ -196,8 +196,24 @@ def _mixed_matmul_bwd(low, residuals, g_mn):
   x_low, w_low, x_tag, w_tag = residuals
   g_low = g_mn.astype(low)
   dx_mk = _low_dot(g_low, w_low, ((1,), (1,))).astype(x_tag.dtype)
-  dw_kn = _low_dot(x_low, g_low, ((0,), (0,))).astype(w_tag.dtype)
-  return dx_mk, dw_kn
+  return dx_mk, _weight_grad(x_low, g_low).astype(w_tag.dtype)
+
+
+def _weight_grad(x_mk: jax.Array, g_mn: jax.Array) -> jax.Array:
+  """x^T g (contracting the rows), accumulated in float32.
+
+  Written as a contraction over two row axes (rows split as [a, M / a]): XLA then lays x^T out in memory
+  and runs a plain low-precision matmul. A dot contracting the leading axis of both operands is not one
+  XLA:CPU's YNNPACK path takes, and its fallback converts both inputs to float32 first (in the tiny-grpo
+  update on a 2-core Xeon, 29 of 58 backward matmuls ran that way; forward + backward of one micro-batch
+  took 81-94 ms against 62-66 ms written this way). Same products, same float32 accumulation.
+  """
+  m = x_mk.shape[0]
+  a = next((d for d in (2, 3, 5, 7) if m % d == 0 and m > d), None)
+  if a is None:
+    return _low_dot(x_mk, g_mn, ((0,), (0,)))
+  return jnp.einsum("AMK,AMN->KN", x_mk.reshape(a, m // a, -1), g_mn.reshape(a, m // a, -1),
+                    preferred_element_type=F32)
 
 
 mixed_matmul.defvjp(_mixed_matmul_fwd, _mixed_matmul_bwd)
