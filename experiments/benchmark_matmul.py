@@ -10,9 +10,8 @@ precision policies use: float32 (`float32`), bfloat16 inputs with float32 accumu
 (`bf16_matmul`), bfloat16 in and out (`bfloat16`). One device, the machine's default XLA flags.
 """
 import json
-import statistics
-import time
 
+import common
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -51,13 +50,7 @@ def main(argv):
     a, b = jnp.ones((m, k), f32) * 0.5, jnp.ones((k, n), f32) * 0.25
     row = {"shape": [m, k, n]}
     for name, fn in forms.items():
-      fn(a, b).block_until_ready()
-      times = []
-      for _ in range(_REPEATS.value):
-        t0 = time.perf_counter()
-        fn(a, b).block_until_ready()
-        times.append(time.perf_counter() - t0)
-      row[name] = round(2 * m * k * n / statistics.median(times) / 1e9, 1)
+      row[name] = round(2 * m * k * n / common.median_seconds(fn, a, b, repeats=_REPEATS.value) / 1e9, 1)
     out.append(row)
     print(json.dumps(row), flush=True)
   print(json.dumps({"gflop_per_s": out, "platform": jax.devices()[0].platform}))

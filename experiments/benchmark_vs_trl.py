@@ -26,7 +26,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 from absl import app, flags
 
@@ -124,16 +123,9 @@ def jax_matmul_rates(shapes: list[list[int]], split_rows: bool, repeats: int = 2
     a = jax.device_put(np.random.default_rng(0).standard_normal((m, k), np.float32),
                        NamedSharding(mesh, P("rows", None)))
     b = jax.device_put(np.random.default_rng(1).standard_normal((k, n), np.float32), NamedSharding(mesh, P()))
-    f = jax.jit(jnp.matmul)
-    for _ in range(3):
-      f(a, b).block_until_ready()
-    times = []
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      f(a, b).block_until_ready()
-      times.append(time.perf_counter() - t0)
+    seconds = common.median_seconds(jax.jit(jnp.matmul), a, b, repeats=repeats, warmup=3)
     out.append({"shape": [m, k, n], "devices": len(devices),
-                "gflop_per_s": round(2 * m * k * n / statistics.median(times) / 1e9, 1)})
+                "gflop_per_s": round(2 * m * k * n / seconds / 1e9, 1)})
   return out
 
 

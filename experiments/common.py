@@ -75,6 +75,20 @@ def quiet_libraries() -> None:
     handler.addFilter(_DropLibraryInfo())
 
 
+def median_seconds(fn, *args, repeats: int, warmup: int = 1) -> float:
+  """Median wall time of ``fn(*args).block_until_ready()`` over ``repeats`` calls, after ``warmup``."""
+  import statistics  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  for _ in range(warmup):
+    fn(*args).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    fn(*args).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
 def setup_jax(cpu_devices: int, cache_dir: str) -> None:
   """One virtual CPU device per core by default (more only add overhead on CPU); persistent cache."""
   flags = os.environ.get("XLA_FLAGS", "")
