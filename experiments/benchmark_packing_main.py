@@ -44,7 +44,8 @@ def synthetic_batch(cfg, np):
   mask = ((col >= prompt_b[:, None]) & (col < length_b[:, None])).astype(np.float32)
   tokens = np.where(col < length_b[:, None], rng.integers(3, cfg.model.config.vocab_size,
                                                           size=mask.shape), 0).astype(np.int32)
-  fields = dict(tokens_bt=tokens, mask_bt=mask, advantages_b=rng.normal(size=r.batch_size).astype(np.float32),
+  fields = dict(tokens_bt=tokens, mask_bt=mask,
+                advantages_bt=rng.normal(size=(r.batch_size, 1)).astype(np.float32) * mask,
                 behaviour_logp_bt=(rng.normal(size=mask.shape) * 0.1 - 6).astype(np.float32) * mask,
                 ref_logp_bt=np.zeros_like(mask), version_bt=np.where(mask > 0, 0, -1).astype(np.int32))
   return fields, length_b

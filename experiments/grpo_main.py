@@ -39,8 +39,7 @@ def main(argv):
   except RunError as e:
     sys.stderr.write(f"error: {e}\n")
     sys.exit(1)
-  print(f"accuracy before RL: {summary['accuracy_before']:.3f}  "
-        f"after RL: {summary['accuracy_after']:.3f}  ({summary['steps']} GRPO steps)")
+  print(common.summary_line(summary))
 
 
 if __name__ == "__main__":

@@ -141,6 +141,11 @@ class TaskConfig:
   tokenizer: str = "char"     # 'char' or a path to tokenizer.json / a folder holding one
   eval_seed: int = 10_000     # the held-out problems come from a task built with this seed
   eval_problems: int = 128
+  # Sampled evaluation: eval_samples responses per held-out problem at the rollout's temperature (top_k,
+  # top_p), scored as pass@1 and pass@{pass_k} with the unbiased estimator (rewards/base.py::pass_at_k);
+  # 0 turns it off (greedy accuracy only).
+  eval_samples: int = 0
+  pass_k: int = 1
   # A learned reward model (rl_fusion_jax.models.reward_model checkpoint); its score, times the weight,
   # is added to the verifier's reward. Accuracy metrics always come from the verifier.
   reward_model: str = ""
@@ -152,6 +157,13 @@ class TaskConfig:
     _require(isinstance(self.name, str) and bool(self.name), "task.name",
              f"must be a task name, got {self.name!r}")
     _require(self.eval_problems >= 1, "task.eval_problems", f"must be >= 1, got {self.eval_problems}")
+    _require(isinstance(self.eval_samples, int) and self.eval_samples >= 0, "task.eval_samples",
+             f"must be an int >= 0 (0: no sampled evaluation), got {self.eval_samples!r}")
+    _require(isinstance(self.pass_k, int) and self.pass_k >= 1, "task.pass_k",
+             f"must be an int >= 1, got {self.pass_k!r}")
+    _require(self.eval_samples == 0 or self.pass_k <= self.eval_samples, "task.pass_k",
+             f"pass@{self.pass_k} needs at least {self.pass_k} samples per problem, but task.eval_samples "
+             f"= {self.eval_samples}")
     _require(isinstance(self.verify_workers, int) and self.verify_workers >= 0, "task.verify_workers",
              f"must be an int >= 0, got {self.verify_workers!r}")
     _require(math.isfinite(self.reward_model_weight), "task.reward_model_weight",
@@ -217,10 +229,23 @@ class AlgoConfig:
   entropy_coef: float = 0.0
   aggregation: str = "token-mean"
   is_cap: float = 5.0            # truncation of behaviour importance weights (decoupled_ppo, tis_*)
+  # GAE (advantage='gae': PPO with the learned critic of config.critic): discount and trace decay.
+  gamma: float = 1.0
+  lam: float = 1.0
+  # DAPO's soft overlong punishment: responses longer than max_new_tokens - overlong_buffer lose up to
+  # overlong_factor of reward, linearly over the buffer (algorithms/dapo.py); 0 turns it off.
+  overlong_buffer: int = 0
+  overlong_factor: float = 1.0
+  # DAPO's dynamic sampling: groups whose rewards are all equal are dropped and the step draws more
+  # prompts (at most dynamic_sampling_rounds extra rounds of num_prompts) until num_prompts informative
+  # groups fill the batch; a batch still short is topped up with dropped groups and counted.
+  dynamic_sampling: bool = False
+  dynamic_sampling_rounds: int = 4
 
   def __post_init__(self):
     from rl_fusion_jax.algorithms import registry  # deferred: registry imports jax
-    for field, known in (("advantage", registry.ADVANTAGE_ESTIMATORS),
+    known_advantages = {**registry.ADVANTAGE_ESTIMATORS, **registry.TOKEN_ADVANTAGE_ESTIMATORS}
+    for field, known in (("advantage", known_advantages),
                          ("policy_loss", registry.POLICY_LOSSES),
                          ("kl_estimator", registry.KL_ESTIMATORS),
                          ("aggregation", registry.AGGREGATIONS)):
@@ -236,10 +261,55 @@ class AlgoConfig:
     _require(self.is_cap >= 1, "algo.is_cap", f"must be >= 1 (inf disables truncation), got {self.is_cap}")
     _require(self.dual_clip is None or not self.policy_loss.startswith("tis_"), "algo.dual_clip",
              f"the truncated-IS loss {self.policy_loss!r} has no PPO clip to cap; set dual_clip=None")
+    for name in ("gamma", "lam"):
+      value = getattr(self, name)
+      _require(isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1,
+               f"algo.{name}", f"must be a number in [0, 1], got {value!r}")
+    _require(isinstance(self.overlong_buffer, int) and self.overlong_buffer >= 0, "algo.overlong_buffer",
+             f"must be an int >= 0 (0: off), got {self.overlong_buffer!r}")
+    _require(math.isfinite(self.overlong_factor) and self.overlong_factor >= 0, "algo.overlong_factor",
+             f"must be a finite number >= 0, got {self.overlong_factor!r}")
+    _require(isinstance(self.dynamic_sampling_rounds, int) and self.dynamic_sampling_rounds >= 0,
+             "algo.dynamic_sampling_rounds", f"must be an int >= 0, got {self.dynamic_sampling_rounds!r}")
+
+  @property
+  def uses_critic(self) -> bool:
+    """A token-level estimator (GAE) with a learned value model (config.critic)."""
+    from rl_fusion_jax.algorithms import registry
+    return self.advantage in registry.TOKEN_ADVANTAGE_ESTIMATORS
+
+  @property
+  def group_relative(self) -> bool:
+    """The advantage compares the samples of a group (GRPO, Dr. GRPO, RLOO): group_size must be >= 2."""
+    return not self.uses_critic
 
   @property
   def needs_reference(self) -> bool:
     return self.kl_coef > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticConfig:
+  """The PPO critic, used when ``algo.advantage`` is token-level ('gae'): a value model (the policy's
+  decoder body with a per-token scalar head, transformers' ``*ForTokenClassification`` format;
+  models/value_model.py) trained by regression on the GAE returns, one update per RL step.
+
+  init: '' starts from the policy after the warm-up (its body, a zero head: every value 0); else a folder
+  written by ``value_model.save_value_model`` whose shapes must match the policy's config.
+  value_clip: PPO's value clipping around the rollout-time values (0 disables). The optimizer is
+  ``config.optim``'s AdamW at ``learning_rate``. Residency follows ``fusion.mode``: its optimizer state
+  leaves the devices while generating (with ``fusion.offload_optimizer``), and in ``full`` mode its
+  weights too, so they are on the devices only for the train phase.
+  """
+  learning_rate: float = 1e-4
+  value_clip: float = 0.2
+  init: str = ""
+
+  def __post_init__(self):
+    _require(self.learning_rate > 0, "critic.learning_rate", f"must be > 0, got {self.learning_rate}")
+    _require(math.isfinite(self.value_clip) and self.value_clip >= 0, "critic.value_clip",
+             f"must be a finite number >= 0 (0: no clipping), got {self.value_clip!r}")
+    _require(isinstance(self.init, str), "critic.init", f"must be '' or a folder path, got {self.init!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,9 +380,14 @@ class WarmupConfig:
   batch_size: int = 64
   learning_rate: float = 1e-3
   checkpoint_every: int = 0       # warm-up checkpoints (a resume continues the warm-up); 0: none
+  # Seed of the starting policy: its random init and the warm-up's problem stream. -1: run.seed. A fixed
+  # value gives every run.seed the same warmed-up policy (RL seeds from one SFT checkpoint).
+  seed: int = -1
 
   def __post_init__(self):
     _require(self.steps >= 0, "warmup.steps", f"must be >= 0, got {self.steps}")
+    _require(isinstance(self.seed, int) and self.seed >= -1, "warmup.seed",
+             f"must be an int >= 0, or -1 (run.seed), got {self.seed!r}")
     _require(self.checkpoint_every >= 0, "warmup.checkpoint_every",
              f"must be >= 0, got {self.checkpoint_every}")
     _require(self.batch_size >= 1, "warmup.batch_size", f"must be >= 1, got {self.batch_size}")
@@ -364,9 +439,24 @@ class ExperimentConfig:
   warmup: WarmupConfig = WarmupConfig()
   run: RunConfig = RunConfig()
   stalesync: StaleSyncConfig = StaleSyncConfig()
+  critic: CriticConfig = CriticConfig()
 
   def __post_init__(self):
-    r = self.rollout
+    r, a = self.rollout, self.algo
+    _require(not a.group_relative or r.group_size >= 2, "rollout.group_size",
+             f"the group-relative advantage {a.advantage!r} compares the samples of a group and needs "
+             f"group_size >= 2, got {r.group_size}")
+    _require(a.overlong_buffer <= r.max_new_tokens, "algo.overlong_buffer",
+             f"{a.overlong_buffer} exceeds rollout.max_new_tokens = {r.max_new_tokens}")
+    _require(not a.dynamic_sampling or a.group_relative, "algo.dynamic_sampling",
+             f"drops groups of equal rewards, which only carry no signal for a group-relative advantage, "
+             f"not {a.advantage!r}")
+    _require(not a.dynamic_sampling or not self.stalesync.enabled, "algo.dynamic_sampling",
+             "runs in the synchronous loop; set stalesync.enabled=False")
+    _require(not a.dynamic_sampling or not self.task.reward_model, "algo.dynamic_sampling",
+             "filters on the verifier's rewards and cannot be combined with task.reward_model")
+    _require(not self.critic.init or a.uses_critic, "critic.init",
+             f"is set but algo.advantage={a.advantage!r} uses no critic")
     _require(not (self.optim.pack_rows and self.algo.policy_loss == "tis_seq"), "optim.pack_rows",
              "the sequence-level loss 'tis_seq' sums over a row and cannot take packed rows")
     _require(r.batch_size % self.optim.micro_batches == 0, "optim.micro_batches",
@@ -374,6 +464,11 @@ class ExperimentConfig:
     _require(r.seq_len <= self.model.config.max_position_embeddings, "rollout.max_new_tokens",
              f"max_prompt_len + max_new_tokens = {r.seq_len} exceeds "
              f"model.config.max_position_embeddings = {self.model.config.max_position_embeddings}")
+
+  @property
+  def policy_seed(self) -> int:
+    """The seed of the starting policy (init and warm-up data): ``warmup.seed``, or ``run.seed`` for -1."""
+    return self.run.seed if self.warmup.seed == -1 else self.warmup.seed
 
   def check_devices(self, num_devices: int) -> dict[str, int]:
     """Resolves the (training) mesh and checks that every batch splits evenly over its batch axes."""

@@ -34,7 +34,7 @@ class TrainBatch:
   """What one update consumes. ``mask_bt`` marks the response tokens the loss is taken over."""
   tokens_bt: jax.Array          # int32 [B, T]
   mask_bt: jax.Array            # float32 [B, T]
-  advantages_b: jax.Array       # float32 [B]
+  advantages_bt: jax.Array      # float32 [B, T], per token (0 outside the response)
   behaviour_logp_bt: jax.Array  # float32 [B, T]
   ref_logp_bt: jax.Array        # float32 [B, T] (zeros when no reference model is used)
   version_bt: jax.Array         # int32 [B, T]

@@ -68,6 +68,16 @@ def test_unknown_fields_are_named(path, value, match):
     ("mesh.tensor", 0, "mesh.tensor"),
     ("model.num_kv_heads", 3, "num_kv_heads"),
     ("rollout.max_new_tokens", 500, "max_position_embeddings"),
+    ("algo.gamma", 1.5, r"config.algo.gamma: must be a number in \[0, 1\], got 1.5"),
+    ("algo.lam", -0.1, r"config.algo.lam: must be a number in \[0, 1\], got -0.1"),
+    ("rollout.group_size", 1, "config.rollout.group_size: the group-relative advantage 'grpo'"),
+    ("task.pass_k", 16, "config.task.pass_k: pass@16 needs at least 16 samples per problem"),
+    ("task.eval_samples", -1, "config.task.eval_samples"),
+    ("algo.overlong_buffer", 7, "config.algo.overlong_buffer: 7 exceeds rollout.max_new_tokens = 6"),
+    ("algo.dynamic_sampling_rounds", -1, "config.algo.dynamic_sampling_rounds"),
+    ("critic.learning_rate", 0.0, "config.critic.learning_rate"),
+    ("critic.value_clip", -0.2, "config.critic.value_clip"),
+    ("critic.init", "/some/value_model", "config.critic.init: is set but algo.advantage='grpo'"),
 ])
 def test_bad_values_are_named(field, value, match):
   c = base()
@@ -103,3 +113,21 @@ def test_as_dict_round_trips():
   model = plain.pop("model")
   plain["model"] = {**model["config"], "hf_path": model["hf_path"], "init_std": model["init_std"]}
   assert config_lib.experiment_from_dict(plain) == cfg
+
+
+def test_dynamic_sampling_combinations_are_refused():
+  c = base()
+  c.algo.dynamic_sampling = True
+  c.stalesync.enabled, c.stalesync.max_staleness, c.stalesync.rollout_fraction = True, 1, 0.5
+  with pytest.raises(ValueError, match="config.algo.dynamic_sampling: runs in the synchronous loop"):
+    config_lib.experiment_from_dict(c)
+  c = base()
+  c.algo.dynamic_sampling, c.algo.advantage = True, "gae"
+  with pytest.raises(ValueError, match="config.algo.dynamic_sampling: drops groups"):
+    config_lib.experiment_from_dict(c)
+
+
+def test_gae_allows_groups_of_one():
+  c = base()
+  c.algo.advantage, c.rollout.group_size = "gae", 1
+  assert config_lib.experiment_from_dict(c).algo.uses_critic

@@ -173,3 +173,49 @@ def test_packed_rows_update_equals_the_padded_update(tmp_path):
   assert b["pack/rows_used"] < 32 and b["pack/rows"] % 8 == 0 and "pack/rows" not in a
   with pytest.raises(ValueError, match="config.optim.pack_rows"):
     tiny(**{"optim.pack_rows": True, "algo.policy_loss": "tis_seq"})
+
+
+def test_sampled_evaluation_reports_pass_at_k(tmp_path):
+  # At temperature 0 the sampling engine decodes greedily: every one of the n samples of a problem is the
+  # greedy response, so pass@1 = pass@k = greedy accuracy exactly (the estimator and the bookkeeping of
+  # sample ids, problems and counts all have to line up for that to hold).
+  cfg = tiny(**{"task.eval_samples": 4, "task.pass_k": 2, "rollout.temperature": 0.0, "run.steps": 1,
+                "task.kwargs": {"max_digits": 1, "ops": "+"}, "warmup.steps": 60, "warmup.batch_size": 32,
+                "warmup.learning_rate": 1e-2})
+  summary = loop.run(cfg, str(tmp_path / "greedy"))
+  for when in ("eval_before", "eval_after"):
+    ev = summary[when]
+    assert ev["pass@1"] == ev["pass@2"] == ev["accuracy"], ev
+  assert summary["eval_before"]["accuracy"] > 0     # the check above is not 0 == 0
+  # Sampling at temperature 1: pass@2 >= pass@1, and both are in the metrics of step 0 and the last step.
+  summary = loop.run(tiny(**{"task.eval_samples": 4, "task.pass_k": 2, "run.steps": 1}), str(tmp_path / "t1"))
+  rows = metrics_lib.read_metrics(str(tmp_path / "t1"))
+  for row in (rows[0], rows[-1]):
+    assert 0 <= row["eval/pass@1"] <= row["eval/pass@2"] <= 1
+  assert summary["eval_after"]["pass@2"] == rows[-1]["eval/pass@2"]
+
+
+def test_group_relative_advantages_refuse_groups_of_one():
+  with pytest.raises(ValueError, match="config.rollout.group_size: the group-relative advantage 'grpo'"):
+    tiny(**{"rollout.group_size": 1})
+
+
+def test_a_fixed_warmup_seed_gives_every_run_seed_the_same_start(tmp_path):
+  # warmup.seed fixes the init and the warm-up data: runs that differ only in run.seed evaluate the same
+  # warmed-up policy before RL, then part ways (the RL problems and sampling streams follow run.seed).
+  runs = {}
+  for seed in (1, 2):
+    cfg = tiny(**{"run.seed": seed, "warmup.seed": 0, "warmup.steps": 20, "run.steps": 2,
+                  "task.eval_samples": 2, "task.pass_k": 2})
+    loop.run(cfg, str(tmp_path / f"s{seed}"))
+    runs[seed] = metrics_lib.read_metrics(str(tmp_path / f"s{seed}"))
+  assert runs[1][0] == runs[2][0]               # the step-0 line: evaluation of the warmed-up policy
+  assert runs[1][1]["loss"] != runs[2][1]["loss"]
+
+
+def test_rl_warmup_and_heldout_problem_streams_are_distinct():
+  from rl_fusion_jax.orchestration.setup import validate
+  setup = validate(tiny(**{"run.seed": 1, "warmup.seed": 0}), 8)
+  assert (setup.train_task.seed, setup.warmup_task.seed, setup.eval_task.seed) == (2, 1, 10_000)
+  with pytest.raises(ValueError, match="config.task.eval_seed=2: the held-out problems would be"):
+    validate(tiny(**{"run.seed": 1, "task.eval_seed": 2}), 8)

@@ -373,3 +373,66 @@ def test_aggregation_errors():
 def test_token_weights_jit():
   fn = jax.jit(functools.partial(losses.token_weights, mode="seq-mean-token-mean"))
   np.testing.assert_allclose(fn(MASK), [[1 / 6, 1 / 6, 1 / 6, 0], [1 / 2, 0, 0, 0]], rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Value loss
+# ----------------------------------------------------------------------------------------------------
+
+
+def _value_loss_and_grad(values, old_values, returns, clip):
+  """Per-token loss, clipped flags and d(sum loss)/dV for one token per row."""
+  as_bt = lambda x: jnp.asarray(x, jnp.float32)[:, None]
+  values_bt, old_bt, ret_bt = as_bt(values), as_bt(old_values), as_bt(returns)
+  loss_fn = lambda v: losses.value_loss(v, old_bt, ret_bt, clip=clip)
+  loss_bt, clipped_bt = loss_fn(values_bt)
+  grad_bt = jax.grad(lambda v: loss_fn(v)[0].sum())(values_bt)
+  return np.asarray(loss_bt[:, 0]), np.asarray(clipped_bt[:, 0]), np.asarray(grad_bt[:, 0])
+
+
+def test_value_loss_unclipped_hand_values_and_gradient():
+  # 0.5 * (V - R)^2, d/dV = V - R:
+  #   V=1.5, R=2:  0.5 * 0.25 = 0.125,  grad -0.5
+  #   V=-1,  R=2:  0.5 * 9    = 4.5,    grad -3
+  #   V=3,   R=2:  0.5 * 1    = 0.5,    grad 1
+  # old values are irrelevant without a clip.
+  loss_b, clipped_b, grad_b = _value_loss_and_grad([1.5, -1.0, 3.0], [0.0, 9.0, -9.0], [2.0, 2.0, 2.0], None)
+  np.testing.assert_allclose(loss_b, [0.125, 4.5, 0.5], rtol=1e-6)
+  np.testing.assert_array_equal(clipped_b, [0, 0, 0])
+  np.testing.assert_allclose(grad_b, [-0.5, -3.0, 1.0], rtol=1e-6)
+
+
+def test_value_loss_clipped_hand_values_and_gradient():
+  # clip c = 0.2, V_old = 1, R = 2; V_clip = 1 + clip(V - 1, -0.2, 0.2):
+  #   V=1.5: V_clip 1.2; (V-R)^2 = 0.25, (V_clip-R)^2 = 0.64 -> clipped larger: loss 0.32, flag 1, grad 0
+  #   V=1.1: inside the range, V_clip = V; both 0.81            -> loss 0.405, flag 0, grad V-R = -0.9
+  #   V=0.5: V_clip 0.8; (V-R)^2 = 2.25, (V_clip-R)^2 = 1.44   -> unclipped larger: loss 1.125, flag 0,
+  #          grad V-R = -1.5 (the clip is active but the max picks the unclipped term)
+  #   V=2.5: V_clip 1.2; (V-R)^2 = 0.25, (V_clip-R)^2 = 0.64   -> loss 0.32, flag 1, grad 0
+  loss_b, clipped_b, grad_b = _value_loss_and_grad([1.5, 1.1, 0.5, 2.5], [1.0] * 4, [2.0] * 4, 0.2)
+  np.testing.assert_allclose(loss_b, [0.32, 0.405, 1.125, 0.32], rtol=1e-6)
+  np.testing.assert_array_equal(clipped_b, [1, 0, 0, 1])
+  np.testing.assert_allclose(grad_b, [0.0, -0.9, -1.5, 0.0], rtol=1e-6, atol=0)
+
+
+def test_value_loss_targets_are_constants_and_jit_matches():
+  # d/dR and d/dV_old are 0: the returns and old values are regression targets.
+  values_bt, old_bt, ret_bt = jnp.array([[1.5, 0.5]]), jnp.array([[1.0, 1.0]]), jnp.array([[2.0, 2.0]])
+  d_old, d_ret = jax.grad(lambda o, r: losses.value_loss(values_bt, o, r, clip=0.2)[0].sum(), argnums=(0, 1))(
+      old_bt, ret_bt)
+  np.testing.assert_array_equal(d_old, 0.0)
+  np.testing.assert_array_equal(d_ret, 0.0)
+  fn = jax.jit(functools.partial(losses.value_loss, clip=0.2))
+  for got, want in zip(fn(values_bt, old_bt, ret_bt), losses.value_loss(values_bt, old_bt, ret_bt, clip=0.2)):
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("clip", [0.0, -0.1, float("nan"), True, "0.2"])
+def test_value_loss_bad_clip_raises(clip):
+  with pytest.raises(ValueError, match="clip"):
+    losses.value_loss(jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.zeros((1, 2)), clip=clip)
+
+
+def test_value_loss_shape_mismatch_raises():
+  with pytest.raises(ValueError, match="returns_bt"):
+    losses.value_loss(jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.zeros((1, 3)), clip=None)

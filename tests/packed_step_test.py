@@ -44,7 +44,7 @@ def test_pack_by_hand():
   np.testing.assert_array_equal(lay.row_b, [2, 0, 1, 1])
   np.testing.assert_array_equal(lay.start_b, [0, 0, 4, 0])
   assert (lay.rows_used, lay.num_rows) == (3, 4)
-  p = packing.pack_batch(lay, tokens_bt=tokens, mask_bt=mask, advantages_b=[1., -2., 3., -4.],
+  p = packing.pack_batch(lay, tokens_bt=tokens, mask_bt=mask, advantages_bt=np.array([[1.], [-2.], [3.], [-4.]]) * mask,
                          behaviour_logp_bt=-mask, ref_logp_bt=-2 * mask, version_bt=version)
   pad = [0] * 6
   np.testing.assert_array_equal(p.tokens_rw, [[20, 21, 22, 23, 24, 0], [40, 41, 42, 43, 30, 31],
@@ -54,7 +54,7 @@ def test_pack_by_hand():
   np.testing.assert_array_equal(p.positions_rw, [[0, 1, 2, 3, 4, 0], [0, 1, 2, 3, 0, 1],
                                                  [0, 1, 2, 0, 0, 0], pad])
   np.testing.assert_array_equal(p.mask_rw, [[0, 0, 1, 1, 1, 0], [0, 0, 1, 1, 0, 1], [0, 0, 1, 0, 0, 0], pad])
-  np.testing.assert_array_equal(p.advantages_rw, [[-2] * 5 + [0], [-4] * 4 + [3, 3], [1, 1, 1, 0, 0, 0], pad])
+  np.testing.assert_array_equal(p.advantages_rw, [[0, 0, -2, -2, -2, 0], [0, 0, -4, -4, 0, 3], [0, 0, 1, 0, 0, 0], pad])
   np.testing.assert_array_equal(p.behaviour_logp_rw, -p.mask_rw)
   np.testing.assert_array_equal(p.ref_logp_rw, -2 * p.mask_rw)
   np.testing.assert_array_equal(p.version_rw, [[1] * 5 + [-1], [3] * 4 + [2, 2], [0] * 3 + [-1] * 3,
@@ -78,7 +78,7 @@ def host_batch(seed, kind="mixed"):
   col = np.arange(T)[None]
   tokens = np.where(col < length[:, None], rng.integers(3, 64, size=(B, T)), 0).astype(np.int32)
   mask = ((col >= prompt[:, None]) & (col < length[:, None])).astype(np.float32)
-  return dict(tokens_bt=tokens, mask_bt=mask, advantages_b=rng.normal(size=B).astype(np.float32),
+  return dict(tokens_bt=tokens, mask_bt=mask, advantages_bt=rng.normal(size=(B, 1)).astype(np.float32) * mask,
               behaviour_logp_bt=(rng.normal(size=(B, T)) * 0.1 - 4).astype(np.float32) * mask,
               ref_logp_bt=(rng.normal(size=(B, T)) * 0.3 - 4).astype(np.float32) * mask,
               version_bt=np.where(mask > 0, seed, -1).astype(np.int32)), length
@@ -89,7 +89,7 @@ def test_unpacking_gives_the_samples_back(seed):
   fields, length = host_batch(seed)
   length[3] = 0                       # an empty sample takes no room and comes back empty
   for name, value in fields.items():
-    value[3] = 0 if name == "advantages_b" else packing.PAD[name[:-len("_bt")]]
+    value[3] = packing.PAD[name[:-len("_bt")]]
   lay = packing.plan(length, WIDTH, packing.row_buckets(B, 8))
   back = packing.unpack_batch(packing.pack_batch(lay, **fields), T)
   for name, value in fields.items():

@@ -32,6 +32,18 @@ def test_advantage_names_resolve_to_the_right_estimator():
     np.testing.assert_allclose(registry.get_advantage_fn(name)(REWARDS, 4), adv, rtol=1e-5, atol=1e-5)
 
 
+def test_token_advantage_names_resolve():
+  # One row: prompt t=0, response t=1,2 with rewards [0, 1] and values [0.5, 0.25]; gamma = lam = 1:
+  #   delta_2 = 1 - 0.25 = 0.75, delta_1 = 0 + 0.25 - 0.5 = -0.25 -> A = [0.5, 0.75] (= 1 - V),
+  #   returns = A + V = [1, 1].
+  assert set(registry.TOKEN_ADVANTAGE_ESTIMATORS) == {"gae"}
+  fn = registry.get_token_advantage_fn("gae")
+  assert fn is algorithms.gae and algorithms.get_token_advantage_fn("gae") is fn
+  adv_bt, ret_bt = fn([[0.0, 0.0, 1.0]], [[9.0, 0.5, 0.25]], [[0.0, 1.0, 1.0]], gamma=1.0, lam=1.0)
+  np.testing.assert_array_equal(adv_bt, [[0.0, 0.5, 0.75]])
+  np.testing.assert_array_equal(ret_bt, [[0.0, 1.0, 1.0]])
+
+
 def test_policy_kl_and_aggregation_names_resolve():
   want_losses = {
       "ppo_clip": losses.clipped_surrogate,
@@ -83,6 +95,7 @@ def test_every_policy_loss_takes_the_common_keywords_and_returns_the_stats_contr
     "getter, what, known",
     [
         (registry.get_advantage_fn, "advantage estimator", "dr_grpo, grpo, rloo"),
+        (registry.get_token_advantage_fn, "token advantage estimator", "gae"),
         (registry.get_policy_loss, "policy loss", "decoupled_ppo, ppo_clip, tis_seq, tis_token"),
         (registry.get_kl_estimator, "KL estimator", "k1, k2, k3"),
         (
@@ -114,10 +127,20 @@ def test_registered_variants_are_retrievable_and_names_are_not_overwritten():
     def zero_kl(logp_bt, ref_logp_bt):
       return jnp.zeros_like(logp_bt)
 
+    @registry.register_token_advantage("test_mc")
+    def monte_carlo(token_rewards_bt, values_bt, mask_bt, *, gamma, lam):
+      del lam
+      return algorithms.gae(token_rewards_bt, values_bt, mask_bt, gamma=gamma, lam=1.0)
+
     assert registry.get_advantage_fn("test_sign") is sign_advantages
     np.testing.assert_array_equal(registry.get_advantage_fn("test_sign")([1.0, 0.0], 2), [1.0, -1.0])
     assert registry.get_policy_loss("test_pg") is vanilla_pg
     assert registry.get_kl_estimator("test_zero") is zero_kl
+    assert registry.get_token_advantage_fn("test_mc") is monte_carlo
+    assert algorithms.get_token_advantage_fn("test_mc") is monte_carlo
+    with pytest.raises(ValueError, match="token advantage estimator 'gae' is already registered"):
+      registry.register_token_advantage("gae")(monte_carlo)
+    assert registry.TOKEN_ADVANTAGE_ESTIMATORS["gae"] is algorithms.gae
     # The package-level re-exports are the same tables.
     assert algorithms.get_advantage_fn("test_sign") is sign_advantages
     with pytest.raises(ValueError, match="already registered"):
@@ -127,8 +150,11 @@ def test_registered_variants_are_retrievable_and_names_are_not_overwritten():
     registry.ADVANTAGE_ESTIMATORS.pop("test_sign", None)
     registry.POLICY_LOSSES.pop("test_pg", None)
     registry.KL_ESTIMATORS.pop("test_zero", None)
+    registry.TOKEN_ADVANTAGE_ESTIMATORS.pop("test_mc", None)
   with pytest.raises(ValueError, match="name"):
     registry.register_policy_loss("")
+  with pytest.raises(ValueError, match="name"):
+    registry.register_token_advantage("")
 
 
 def test_import_has_no_side_effects():
@@ -138,6 +164,7 @@ def test_import_has_no_side_effects():
       "from jax._src import xla_bridge\n"
       "assert not xla_bridge.backends_are_initialized()\n"
       "assert sorted(r.POLICY_LOSSES) == ['decoupled_ppo', 'ppo_clip', 'tis_seq', 'tis_token']\n"
+      "assert sorted(r.TOKEN_ADVANTAGE_ESTIMATORS) == ['gae']\n"
   )
   repo_root = pathlib.Path(__file__).resolve().parents[1]
   result = subprocess.run(

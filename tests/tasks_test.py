@@ -22,6 +22,7 @@ from rl_fusion_jax.rewards import (
     make_task,
     score_batch,
 )
+from rl_fusion_jax.rewards.base import pass_at_k
 
 GSM8K_SAMPLE = pathlib.Path(rl_fusion_jax.testing.__file__).parent / "gsm8k_sample.jsonl"
 
@@ -401,3 +402,55 @@ def test_arithmetic_max_lengths_by_hand(max_digits, ops, expected):
   problems = [task.problem(i) for i in range(3000)]
   assert max(len(p.prompt) for p in problems) <= expected[0]
   assert max(len(p.target) for p in problems) <= expected[1]
+
+
+# ----------------------------------------------------------------------------------------------------
+# pass@k
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,c,k,expected", [
+    (8, 0, 1, 0.0),      # no correct sample: 1 - C(8,1)/C(8,1) = 0
+    (8, 0, 5, 0.0),
+    (8, 8, 1, 1.0),      # all correct: C(0,1) = 0 -> 1
+    (8, 8, 8, 1.0),
+    (8, 3, 1, 3 / 8),    # k = 1: the fraction correct, 1 - C(5,1)/C(8,1) = 1 - 5/8
+    (4, 1, 2, 0.5),      # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    (5, 2, 3, 0.9),      # 1 - C(3,3)/C(5,3) = 1 - 1/10
+    (5, 3, 3, 1.0),      # n - c = 2 < k = 3: every 3-subset holds a correct sample
+])
+def test_pass_at_k_by_hand(n, c, k, expected):
+  value = pass_at_k(n, c, k)
+  assert isinstance(value, float)
+  assert value == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_k_vectorized_over_problems():
+  # n = 5, k = 3, counts [0, 2, 3, 5] -> [0, 0.9, 1, 1] (hand values above); shape follows num_correct.
+  values = pass_at_k(5, np.array([0, 2, 3, 5]), 3)
+  assert isinstance(values, np.ndarray) and values.shape == (4,)
+  np.testing.assert_allclose(values, [0.0, 0.9, 1.0, 1.0], atol=1e-12)
+  np.testing.assert_allclose(pass_at_k(4, [[1, 0], [4, 2]], 2), [[0.5, 0.0], [1.0, 1 - 1 / 6]], atol=1e-12)
+  # c = 2 of n = 4, k = 2: 1 - C(2,2)/C(4,2) = 1 - 1/6 (the last entry above).
+
+
+def test_pass_at_k_large_n_is_finite():
+  # n = 1000, k = 500: the binomials are ~1e299, and the certain rows (n - c < k) must not become NaN.
+  # c = 1: 1 - C(999,500)/C(1000,500) = 1 - (1000 - 500)/1000 = 0.5.
+  values = pass_at_k(1000, np.array([0, 1, 999, 1000]), 500)
+  np.testing.assert_allclose(values, [0.0, 0.5, 1.0, 1.0], atol=1e-12)
+
+
+@pytest.mark.parametrize("n,c,k,name", [
+    (8, 3, 9, "k"),
+    (8, 3, 0, "k"),
+    (8, 3, 1.0, "k"),
+    (0, 0, 1, "num_samples"),
+    (8, 9, 1, "num_correct"),
+    (8, -1, 1, "num_correct"),
+    (8, [3, 9], 2, "num_correct"),
+    (8, 2.5, 1, "num_correct"),
+])
+def test_pass_at_k_bad_arguments_raise(n, c, k, name):
+  with pytest.raises(ValueError, match=name):
+    pass_at_k(n, c, k)

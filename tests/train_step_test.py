@@ -46,7 +46,8 @@ def batch(seed, params=None):
     behaviour = rng.normal(size=(B, T)).astype(np.float32) * 0.1 - 4
   else:   # on-policy: behaviour log-probs are the current policy's
     behaviour = np.asarray(token_logprobs(CFG, params, jnp.asarray(tokens))) * mask
-  return TrainBatch(tokens_bt=jnp.asarray(tokens), mask_bt=jnp.asarray(mask), advantages_b=jnp.asarray(adv),
+  return TrainBatch(tokens_bt=jnp.asarray(tokens), mask_bt=jnp.asarray(mask),
+                    advantages_bt=jnp.asarray(adv[:, None] * mask),
                     behaviour_logp_bt=jnp.asarray(behaviour * mask), ref_logp_bt=jnp.zeros((B, T)),
                     version_bt=jnp.zeros((B, T), jnp.int32))
 
@@ -88,7 +89,7 @@ def test_on_policy_gradient_equals_reinforce_reference():
 
   def reinforce(p):
     logp = token_logprobs(CFG, p, data.tokens_bt)
-    return -jnp.sum(weights * np.asarray(data.advantages_b)[:, None] * logp)
+    return -jnp.sum(weights * np.asarray(data.advantages_bt) * logp)
 
   ref = jax.grad(reinforce)(params)
   ours, sums = jax.grad(
@@ -139,7 +140,7 @@ def test_guard_skips_an_update_with_a_nan_loss():
   state, step = setup()
   before = jax.device_get(state)
   data = batch(3)
-  data = data.replace(advantages_b=data.advantages_b.at[5].set(jnp.nan))   # NaN loss (and gradients)
+  data = data.replace(advantages_bt=data.advantages_bt.at[5].set(jnp.nan))   # NaN loss (and gradients)
   state, metrics = step(state, data)
   assert float(metrics["nonfinite"]) == 1.0                   # loss: the first quantity computed
   assert _params_equal(state.params, before.params) and _params_equal(state.opt_state, before.opt_state)
@@ -231,7 +232,7 @@ def wide_batch(seed, max_len, width):
   tokens = np.where(col < PROMPT + lens[:, None], rng.integers(3, 64, size=(B, width)), 0).astype(np.int32)
   noise = lambda: rng.normal(size=(B, width)).astype(np.float32)
   return TrainBatch(tokens_bt=jnp.asarray(tokens), mask_bt=jnp.asarray(mask),
-                    advantages_b=jnp.asarray(rng.normal(size=B).astype(np.float32)),
+                    advantages_bt=jnp.asarray(rng.normal(size=(B, 1)).astype(np.float32) * mask),
                     behaviour_logp_bt=jnp.asarray((noise() * 0.1 - 4) * mask),
                     ref_logp_bt=jnp.asarray((noise() * 0.3 - 4) * mask),
                     version_bt=jnp.asarray(np.where(mask > 0, seed, -1).astype(np.int32)))

@@ -1,15 +1,23 @@
-r"""The main job: supervised warm-up of a tiny Qwen2-style model on 2-digit arithmetic, then GRPO.
+r"""The main job: supervised warm-up of a tiny Qwen2-style model on 1-2 digit arithmetic, then GRPO.
 
 Command (CPU, 2 cores; one virtual device per core):
 
-  python experiments/grpo_main.py --config=experiments/configs/arithmetic.py --workdir=/tmp/arith
+  python experiments/grpo_main.py --config=experiments/configs/arithmetic.py --workdir=/tmp/rlfj_arithmetic
 
-Hardware: any CPU; expected runtime on 2 cores: see README (about 5 minutes with a warm compile cache).
-Expected result: the final line prints greedy accuracy on 128 held-out problems before RL (after the
-warm-up) and after RL; RL raises it (see README for the recorded figures).
+Recipe: a 4-layer model (hidden 128, char tokenizer, bf16_matmul) warmed up with 2,500 supervised steps
+(batch 64, lr 2e-3) on "a+b=" / "a-b=" with 1-2 digit operands, then 300 GRPO steps (16 prompts x 8
+samples at temperature 1, lr 1e-4). Evaluated on 512 held-out problems before RL, every 100 steps and at
+the end: greedy accuracy, and pass@1 / pass@8 over 8 samples per problem at temperature 1.
 
-Ablations in this file: ``--config=...arithmetic.py:drgrpo`` (Dr. GRPO advantages and aggregation),
-``:kl`` (k3 KL penalty against the warm-up policy), ``:stalesync`` (StaleSync with max_staleness 1 and
+Runtime: 237 s on a 2-core Intel Xeon with the persistent compilation cache off (every compile
+included; `--compilation_cache=`). Expected result (that machine, run.seed 0, also when run twice):
+  accuracy before RL: 0.596  after RL: 0.830  pass@1 0.529 -> 0.709  pass@8 0.859 -> 0.939  (300 RL steps)
+Other machines give other float results; README ("The main job") has the seed-to-seed spread.
+
+Variants in this file: ``--config=...arithmetic.py:ppo`` (PPO: a critic initialised from the warmed-up
+policy and GAE, gamma = lambda = 1), ``:dapo`` (dynamic sampling, clip-higher 0.28, soft overlong
+penalty over the last 2 tokens), ``:drgrpo`` (Dr. GRPO advantages and aggregation), ``:kl`` (k3 KL
+penalty against the warm-up policy), ``:stalesync`` (StaleSync with max_staleness 1 and
 rollout_fraction 0.5: 32 groups outstanding, 16 trained per update, decoupled-PPO off-policy correction).
 """
 import ml_collections
@@ -32,7 +40,7 @@ def get_config(arg: str = ""):
       offload_optimizer=True, memory_every=10, train_rules=(), generate_rules=()))
   c.task = ml_collections.ConfigDict(dict(
       name="arithmetic", kwargs=dict(min_digits=1, max_digits=2, ops="+-"), tokenizer="char",
-      eval_seed=10_000, eval_problems=512, reward_model="", reward_model_weight=1.0,
+      eval_seed=10_000, eval_problems=512, eval_samples=8, pass_k=8, reward_model="", reward_model_weight=1.0,
       verify_workers=1))
   c.rollout = ml_collections.ConfigDict(dict(
       num_prompts=16, group_size=8, max_prompt_len=8, max_new_tokens=6, temperature=1.0, top_k=0,
@@ -40,12 +48,15 @@ def get_config(arg: str = ""):
   c.algo = ml_collections.ConfigDict(dict(
       advantage="grpo", policy_loss="ppo_clip", clip_low=0.2, clip_high=0.2, dual_clip=None,
       kl_coef=0.0, kl_estimator="k3", kl_mode="loss", entropy_coef=0.0, aggregation="token-mean",
-      is_cap=5.0))
+      is_cap=5.0, gamma=1.0, lam=1.0, overlong_buffer=0, overlong_factor=1.0, dynamic_sampling=False,
+      dynamic_sampling_rounds=4))
+  c.critic = ml_collections.ConfigDict(dict(learning_rate=1e-4, value_clip=0.2, init=""))
   c.optim = ml_collections.ConfigDict(dict(
       learning_rate=1e-4, b1=0.9, b2=0.99, weight_decay=0.0, grad_clip=1.0, warmup_steps=0,
       micro_batches=1, tokens_per_micro_batch=0, pack_rows=False))
-  c.warmup = ml_collections.ConfigDict(dict(steps=1000, batch_size=64, learning_rate=2e-3,
-                                             checkpoint_every=250))
+  # warmup.seed fixed: every run.seed starts RL from the same warmed-up policy (one SFT checkpoint).
+  c.warmup = ml_collections.ConfigDict(dict(steps=2500, batch_size=64, learning_rate=2e-3,
+                                             checkpoint_every=250, seed=0))
   c.run = ml_collections.ConfigDict(dict(
       steps=300, seed=0, checkpoint_every=100, keep_checkpoints=2, progress_every_s=5.0, eval_every=100,
       on_nonfinite="stop", max_consecutive_skips=3))
@@ -53,6 +64,12 @@ def get_config(arg: str = ""):
   if arg == "drgrpo":
     c.algo.advantage = "dr_grpo"
     c.algo.aggregation = "seq-mean-token-sum-norm"
+  elif arg == "ppo":
+    c.algo.advantage = "gae"           # PPO: a critic (the warmed-up body + a value head) and GAE
+  elif arg == "dapo":
+    c.algo.dynamic_sampling = True     # drop groups of equal rewards, refill from the next problems
+    c.algo.clip_high = 0.28            # clip-higher
+    c.algo.overlong_buffer = 2         # soft penalty over the last 2 of the 6 new tokens
   elif arg == "kl":
     c.algo.kl_coef = 0.05
   elif arg == "stalesync":
@@ -60,5 +77,5 @@ def get_config(arg: str = ""):
     c.rollout.num_slots = 256          # every outstanding sample has a slot, so long tails stay in flight
     c.algo.policy_loss = "decoupled_ppo"
   elif arg:
-    raise ValueError(f"unknown variant {arg!r} of arithmetic.py; known: drgrpo, kl, stalesync")
+    raise ValueError(f"unknown variant {arg!r} of arithmetic.py; known: drgrpo, ppo, dapo, kl, stalesync")
   return c

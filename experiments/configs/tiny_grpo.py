@@ -28,6 +28,7 @@ def get_config(arg: str = ""):
   c.rollout.max_prompt_len = 16
   c.rollout.max_new_tokens = 32
   c.warmup.steps = 0
+  c.task.eval_samples = 0           # a step-time benchmark: greedy evaluation only
   c.run.steps = 10
   if arg == "kl":
     c.algo.kl_coef = 0.05

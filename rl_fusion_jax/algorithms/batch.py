@@ -1,8 +1,10 @@
-"""The advantage stage: rollout + rewards (+ reference log-probs) -> the TrainBatch an update consumes.
+"""The advantage stage: rollout + rewards (+ reference log-probs, + critic values) -> the TrainBatch an
+update consumes.
 
 Pure array functions (jit-safe; names resolve through the registry before tracing): the sequence KL
 against the reference policy, KL-in-reward shaping (``kl_mode='reward'``: r_b - kl_coef * sum_t KL_bt,
-as in InstructGPT-style PPO), and the group advantages. Nothing here calls a model or reads a config
+as in InstructGPT-style PPO), and the group advantages (``train_batch``) or GAE over a critic's values
+(``train_batch_gae``). Nothing here calls a model or reads a config
 object; ``orchestration/programs.py`` binds the config values.
 """
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from rl_fusion_jax.algorithms import advantages as advantages_lib
 from rl_fusion_jax.algorithms import registry
 from rl_fusion_jax.types import Rollout, TrainBatch
 
@@ -32,6 +35,43 @@ def train_batch(rollout: Rollout, rewards_b: Float[Array, "b"], ref_logp_bt: Flo
       rewards_b = rewards_b - kl_coef * kl_b
   adv_b = registry.get_advantage_fn(advantage)(rewards_b, group_size)
   stats["advantage_abs_mean"] = jnp.mean(jnp.abs(adv_b))
-  batch = TrainBatch(tokens_bt=rollout.tokens_bt, mask_bt=mask_bt, advantages_b=adv_b,
+  batch = TrainBatch(tokens_bt=rollout.tokens_bt, mask_bt=mask_bt, advantages_bt=adv_b[:, None] * mask_bt,
                      behaviour_logp_bt=rollout.logp_bt, ref_logp_bt=ref_logp_bt, version_bt=rollout.version_bt)
   return batch, stats
+
+
+def masked_whiten(x_bt: Float[Array, "b t"], mask_bt: Float[Array, "b t"], eps: float = 1e-8) -> Float[Array, "b t"]:
+  """(x - mean) / (std + eps) over the masked entries (population std), 0 elsewhere."""
+  n = jnp.maximum(jnp.sum(mask_bt), 1.0)
+  mean = jnp.sum(x_bt * mask_bt) / n
+  var = jnp.sum(jnp.square(x_bt - mean) * mask_bt) / n
+  return jnp.where(mask_bt > 0, (x_bt - mean) / (jnp.sqrt(var) + eps), 0.0)
+
+
+def train_batch_gae(rollout: Rollout, rewards_b: Float[Array, "b"], ref_logp_bt: Float[Array, "b t"],
+                    values_bt: Float[Array, "b t"], *, advantage: str, gamma: float, lam: float, kl_coef: float,
+                    kl_estimator: str, kl_mode: str) -> tuple[TrainBatch, dict[str, Array], Float[Array, "b t"]]:
+  """(TrainBatch, stats, returns_bt) for PPO with a critic: per-token advantages from a token-level
+  estimator (GAE) over the critic's rollout-time ``values_bt``.
+
+  Token rewards: the sequence reward on each response's last token; with ``kl_mode == 'reward'`` minus
+  ``kl_coef * KL_t`` on every response token (InstructGPT-style PPO). The advantages are whitened over
+  the batch's response tokens (masked mean 0, std 1); the returns (advantages + values, before
+  whitening) are the critic's regression targets.
+  """
+  mask_bt, stats = rollout.response_mask(), {}
+  token_rewards_bt = advantages_lib.outcome_token_rewards(rewards_b, mask_bt)
+  if kl_coef > 0:
+    kl_bt = registry.get_kl_estimator(kl_estimator)(rollout.logp_bt, ref_logp_bt) * mask_bt
+    stats["kl_seq"] = jnp.mean(jnp.sum(kl_bt, axis=1))
+    if kl_mode == "reward":
+      token_rewards_bt = token_rewards_bt - kl_coef * kl_bt
+  adv_bt, returns_bt = registry.get_token_advantage_fn(advantage)(token_rewards_bt, values_bt, mask_bt,
+                                                                  gamma=gamma, lam=lam)
+  n = jnp.maximum(jnp.sum(mask_bt), 1.0)
+  stats["advantage_abs_mean"] = jnp.sum(jnp.abs(adv_bt) * mask_bt) / n     # before whitening
+  stats["return_mean"] = jnp.sum(returns_bt * mask_bt) / n
+  stats["value_old_mean"] = jnp.sum(values_bt * mask_bt) / n
+  batch = TrainBatch(tokens_bt=rollout.tokens_bt, mask_bt=mask_bt, advantages_bt=masked_whiten(adv_bt, mask_bt),
+                     behaviour_logp_bt=rollout.logp_bt, ref_logp_bt=ref_logp_bt, version_bt=rollout.version_bt)
+  return batch, stats, returns_bt

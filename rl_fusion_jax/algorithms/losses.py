@@ -1,4 +1,4 @@
-"""Per-token policy losses, KL estimators, entropy and loss aggregation (pure array functions).
+"""Per-token policy and value losses, KL estimators, entropy and loss aggregation (pure array functions).
 
 Everything here takes log-probabilities, logits, advantages and masks and returns arrays; nothing calls
 a model or reads a config object. All functions are safe inside `jit` and `grad`: hyper-parameters
@@ -14,6 +14,8 @@ without a PPO clip. Off-policy corrections (decoupled PPO, truncated IS) live in
 Aggregation is expressed as per-token weights (`token_weights`) so that `loss = sum(loss_bt * w_bt)`.
 The weights are computed once on the full batch and then split with the batch into micro-batches;
 summing the micro-batch losses then reproduces the full-batch loss exactly, whatever the mode.
+
+`value_loss` is the critic's regression loss for PPO with a learned value (targets from `advantages.gae`).
 
 Shapes: b = sequences, t = response tokens, v = vocabulary.
 """
@@ -194,6 +196,53 @@ def clipped_surrogate(
       "log_ratio_clamped": log_ratio_clamped_bt,
   }
   return loss_bt, stats
+
+
+# ----------------------------------------------------------------------------------------------------
+# Value loss (critic)
+# ----------------------------------------------------------------------------------------------------
+
+
+def value_loss(
+    values_bt: Float[ArrayLike, "b t"],
+    old_values_bt: Float[ArrayLike, "b t"],
+    returns_bt: Float[ArrayLike, "b t"],
+    *,
+    clip: float | None,
+) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
+  """Per-token critic regression loss, optionally with PPO value clipping.
+
+  With V the current values, V_old the values at rollout time and R the returns (e.g. from `gae`):
+
+      clip = None:   loss = 0.5 * (V - R)^2
+      clip = c > 0:  loss = 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)
+
+  The clipped form is PPO's value clipping (Schulman et al. 2017, as implemented in OpenAI baselines'
+  ppo2; discussed in Engstrom et al. 2020, "Implementation Matters in Deep Policy Gradients"): a token
+  whose value has moved more than c from V_old, in the direction that the clipped term penalises more,
+  gets no gradient. d loss / d V = V - R where the unclipped term is the larger one, 0 where the clipped
+  one is. V_old and R are targets, treated as constants. Aggregate with `aggregate` / `token_weights`.
+
+  Returns:
+    loss_bt: [B, T] per-token loss.
+    clipped_bt: [B, T] 0/1 float flag, 1.0 where the clipped term was strictly larger (always 0 when
+      clip is None).
+  """
+  if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
+    raise ValueError(f"clip must be None or a float > 0, got {clip!r}")
+  values_bt = _as_float(values_bt)
+  old_values_bt = jax.lax.stop_gradient(_as_float(old_values_bt))
+  returns_bt = jax.lax.stop_gradient(_as_float(returns_bt))
+  if not values_bt.shape == old_values_bt.shape == returns_bt.shape:
+    raise ValueError(f"values_bt, old_values_bt and returns_bt shapes differ: {values_bt.shape}, "
+                     f"{old_values_bt.shape}, {returns_bt.shape}")
+  unclipped_sq_bt = jnp.square(values_bt - returns_bt)
+  if clip is None:
+    return 0.5 * unclipped_sq_bt, jnp.zeros_like(unclipped_sq_bt)
+  clipped_values_bt = old_values_bt + jnp.clip(values_bt - old_values_bt, -clip, clip)
+  clipped_sq_bt = jnp.square(clipped_values_bt - returns_bt)
+  clipped_bt = (clipped_sq_bt > unclipped_sq_bt).astype(unclipped_sq_bt.dtype)
+  return 0.5 * jnp.maximum(unclipped_sq_bt, clipped_sq_bt), clipped_bt
 
 
 # ----------------------------------------------------------------------------------------------------

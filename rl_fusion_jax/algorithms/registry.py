@@ -1,9 +1,9 @@
 """Name -> function tables, so that an algorithm ablation is a config string.
 
-A config names its advantage estimator ("grpo", "dr_grpo", "rloo"), policy loss ("ppo_clip", and for
-stale tokens "decoupled_ppo", "tis_token", "tis_seq"), KL estimator ("k1", "k2", "k3") and aggregation
-mode; the train step looks the functions up here once, before tracing. A fork adds a variant with a
-decorator instead of editing the core:
+A config names its advantage estimator ("grpo", "dr_grpo", "rloo"; with a critic, a token advantage
+estimator: "gae"), policy loss ("ppo_clip", and for stale tokens "decoupled_ppo", "tis_token", "tis_seq"),
+KL estimator ("k1", "k2", "k3") and aggregation mode; the train step looks the functions up here once,
+before tracing. A fork adds a variant with a decorator instead of editing the core:
 
     @register_advantage("my_adv")
     def my_adv(rewards_b, group_size):
@@ -11,6 +11,8 @@ decorator instead of editing the core:
 
 Call conventions of the tables:
     ADVANTAGE_ESTIMATORS[name](rewards_b, group_size) -> adv_b
+    TOKEN_ADVANTAGE_ESTIMATORS[name](token_rewards_bt, values_bt, mask_bt, *, gamma, lam)
+        -> (adv_bt, returns_bt)
     POLICY_LOSSES[name](logp_bt, old_logp_bt, adv, **hparams) -> (loss_bt, stats)
     KL_ESTIMATORS[name](logp_bt, ref_logp_bt) -> kl_bt
     AGGREGATIONS[name](mask_bt, *, norm_len=None) -> weights_bt
@@ -20,6 +22,11 @@ dual_clip, is_cap, proximal_logp_bt, mask_bt, log_ratio_clamp), so the train ste
 ones whatever the name; a loss documents the ones it ignores or rejects (the TIS losses reject a
 dual_clip, ppo_clip a proximal_logp_bt, tis_seq requires mask_bt). `old_logp_bt` is the behaviour
 log-probs. `stats` holds exactly the keys `losses.POLICY_LOSS_STATS`, each a float [B, T] array.
+
+Token advantage estimators ("gae") serve a learned critic: per-token rewards (e.g.
+`advantages.outcome_token_rewards`) and values over the rows' response tokens give per-token advantages
+and the critic's regression targets, both exactly 0 outside mask_bt; gamma and lam are static floats in
+[0, 1]. The policy losses accept the resulting adv_bt as they accept adv_b.
 
 Importing this module only defines the tables: it registers nothing elsewhere and runs no JAX code.
 """
@@ -37,6 +44,9 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
     "grpo": functools.partial(advantages.group_advantages, scale="std"),
     "dr_grpo": functools.partial(advantages.group_advantages, scale="none"),
     "rloo": advantages.rloo_advantages,
+}
+TOKEN_ADVANTAGE_ESTIMATORS: dict[str, Callable] = {
+    "gae": advantages.gae,
 }
 POLICY_LOSSES: dict[str, Callable] = {
     "ppo_clip": losses.clipped_surrogate,
@@ -80,6 +90,11 @@ def get_advantage_fn(name: str) -> Callable:
   return _lookup(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
 
 
+def get_token_advantage_fn(name: str) -> Callable:
+  """Returns `fn(token_rewards_bt, values_bt, mask_bt, *, gamma, lam) -> (adv_bt, returns_bt)` for `name`."""
+  return _lookup(TOKEN_ADVANTAGE_ESTIMATORS, "token advantage estimator", name)
+
+
 def get_policy_loss(name: str) -> Callable:
   """Returns the per-token policy loss `fn(logp_bt, old_logp_bt, adv, **hparams) -> (loss_bt, stats)`."""
   return _lookup(POLICY_LOSSES, "policy loss", name)
@@ -104,6 +119,11 @@ def check_aggregation(name: str) -> str:
 def register_advantage(name: str) -> Callable[[F], F]:
   """Decorator registering `fn(rewards_b, group_size) -> adv_b` under `name`."""
   return _register(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
+
+
+def register_token_advantage(name: str) -> Callable[[F], F]:
+  """Decorator registering `fn(token_rewards_bt, values_bt, mask_bt, *, gamma, lam) -> (adv_bt, returns_bt)`."""
+  return _register(TOKEN_ADVANTAGE_ESTIMATORS, "token advantage estimator", name)
 
 
 def register_policy_loss(name: str) -> Callable[[F], F]:

@@ -9,6 +9,10 @@ exists. The head matches transformers' `*ForSequenceClassification` with `num_la
 Rows are right-padded (prompt then response from index 0, as in `types.Rollout`): `score` reads the
 hidden state at `lengths_b - 1`, and causal attention makes it independent of the padding. Like the
 decoder, this module never places or shards anything, and never imports torch or transformers.
+
+The body pieces (`body_config`, `hidden_states`) and the checkpoint helpers (`hf_tensors`,
+`write_checkpoint`, `read_classifier_config`, `read_checkpoint`, driven by a `HeadTensors` table) are
+shared with `value_model`, the PPO critic's per-token head.
 """
 from __future__ import annotations
 
@@ -133,36 +137,48 @@ def score(cfg: ModelConfig, params: RewardParams, tokens_bt: Int[Array, "B T"],
 
 
 # ------------------------------------------------------------------------------------ checkpoints
+# Shared with `value_model` (a `*ForTokenClassification` head): both are a decoder body without LM head
+# plus `params["score"]`, whose HF tensors are described by a `HeadTensors` table.
+
+# HF name -> (key in params["score"], hf_io layout, our shape).
+HeadTensors = dict[str, tuple[str, str, tuple[int, ...]]]
+
+
+def head_tensors(cfg: ModelConfig) -> HeadTensors:
+  """The reward head's HF tensors: `score.weight` [1, D], no bias."""
+  return {SCORE_TENSOR: ("kernel", "linear", (cfg.hidden_size, 1))}
+
+
+def classifier_hf_dict(cfg: ModelConfig, architecture: str, *, dtype: str | None = None) -> dict[str, Any]:
+  """config.json of a transformers classifier class `architecture` with one label, holding this decoder."""
+  d = cfg.to_hf_dict(dtype=dtype)
+  d.update(architectures=[architecture], id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+  return d
 
 
 def reward_hf_dict(cfg: ModelConfig, *, dtype: str | None = None) -> dict[str, Any]:
   """config.json of a transformers `*ForSequenceClassification` with one label, holding this decoder."""
-  d = cfg.to_hf_dict(dtype=dtype)
-  d.update(architectures=[ARCHITECTURES[cfg.model_type]], id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
-  return d
+  return classifier_hf_dict(cfg, ARCHITECTURES[cfg.model_type], dtype=dtype)
 
 
-def _hf_tensors(cfg: ModelConfig, params: RewardParams, np_dtype) -> dict[str, np.ndarray]:
+def hf_tensors(cfg: ModelConfig, params: dict[str, Any], heads: HeadTensors, np_dtype) -> dict[str, np.ndarray]:
+  """HF name -> host array in HF layout and `np_dtype`, for the body and the `heads` entries of the score."""
   body = dict(decoder.flatten(params["body"]))
+  rows = [(hf_name, body[ours], layout) for ours, (hf_name, layout) in hf_io.name_map(body_config(cfg)).items()]
+  rows += [(hf_name, params["score"][key], layout) for hf_name, (key, layout, _) in heads.items()]
   tensors = {}
-  for ours, (hf_name, layout) in hf_io.name_map(body_config(cfg)).items():
-    x = np.asarray(jax.device_get(body[ours])).astype(np_dtype)
+  for hf_name, x, layout in rows:
+    x = np.asarray(jax.device_get(x)).astype(np_dtype)
     tensors[hf_name] = np.ascontiguousarray(hf_io.to_hf_layout(x, layout))
-  kernel_d1 = np.asarray(jax.device_get(params["score"]["kernel"])).astype(np_dtype)
-  tensors[SCORE_TENSOR] = np.ascontiguousarray(hf_io.to_hf_layout(kernel_d1, "linear"))
   return tensors
 
 
-def save_reward_model(cfg: ModelConfig, params: RewardParams, path: str | os.PathLike, *,
-                      dtype: str | None = None) -> None:
-  """Writes config.json and model.safetensors (weights in `dtype`, default cfg.param_dtype) to `path`.
+def write_checkpoint(path: str | os.PathLike, config: dict[str, Any], tensors: dict[str, np.ndarray]) -> None:
+  """Writes config.json and model.safetensors to `path`.
 
   Written into a temporary sibling folder first; an existing `path` is replaced only once it is complete.
   """
   path = os.path.abspath(os.fspath(path))
-  check_reward_params(cfg, params)
-  config = reward_hf_dict(cfg, dtype=dtype)
-  tensors = _hf_tensors(cfg, params, hf_io.NP_DTYPES[config["dtype"]])
   parent = os.path.dirname(path)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
@@ -177,28 +193,78 @@ def save_reward_model(cfg: ModelConfig, params: RewardParams, path: str | os.Pat
     raise
 
 
-def read_reward_config(path: str) -> ModelConfig:
-  """The decoder config of a reward checkpoint folder; errors name config.json and the key."""
+def save_reward_model(cfg: ModelConfig, params: RewardParams, path: str | os.PathLike, *,
+                      dtype: str | None = None) -> None:
+  """Writes config.json and model.safetensors (weights in `dtype`, default cfg.param_dtype) to `path`.
+
+  Written into a temporary sibling folder first; an existing `path` is replaced only once it is complete.
+  """
+  check_reward_params(cfg, params)
+  config = reward_hf_dict(cfg, dtype=dtype)
+  write_checkpoint(path, config, hf_tensors(cfg, params, head_tensors(cfg), hf_io.NP_DTYPES[config["dtype"]]))
+
+
+def read_classifier_config(path: str, architectures: Mapping[str, str], kind: str) -> ModelConfig:
+  """The decoder config of a one-label classifier folder whose class is `architectures[model_type]`.
+
+  `kind` ('reward model', ...) names what was expected; errors name config.json and the key.
+  """
   config_path, d = hf_io.read_config_json(path)
   model_type = d.get("model_type") if isinstance(d, Mapping) else None
-  if model_type not in ARCHITECTURES or d.get("architectures") != [ARCHITECTURES[model_type]]:
+  if model_type not in architectures or d.get("architectures") != [architectures[model_type]]:
     raise ValueError(f"{config_path}: architectures {d.get('architectures') if isinstance(d, Mapping) else d!r}"
-                     f" is not a reward model (expected one of {sorted(ARCHITECTURES.values())})")
+                     f" is not a {kind} (expected one of {sorted(architectures.values())})")
   if len(d.get("id2label") or {"0": None}) != 1:
-    raise ValueError(f"{config_path}: id2label has {len(d['id2label'])} labels, a reward model has 1")
+    raise ValueError(f"{config_path}: id2label has {len(d['id2label'])} labels, a {kind} has 1")
+  if d.get("num_labels", 1) != 1:
+    raise ValueError(f"{config_path}: num_labels is {d['num_labels']!r}, a {kind} has 1")
   try:   # the decoder fields are the causal LM's; only the class name differs
     return ModelConfig.from_hf_dict({**d, "architectures": [hf_config.ARCHITECTURES[model_type]]})
   except (ValueError, TypeError) as e:
     raise ValueError(f"{config_path}: {e}") from None
 
 
-def _expected_tensors(cfg: ModelConfig) -> dict[str, tuple[tuple | None, str, tuple[int, ...]]]:
-  """HF name -> (our body path or None for the head, layout, our shape)."""
+def read_reward_config(path: str) -> ModelConfig:
+  """The decoder config of a reward checkpoint folder; errors name config.json and the key."""
+  return read_classifier_config(path, ARCHITECTURES, "reward model")
+
+
+def _expected_tensors(cfg: ModelConfig, heads: HeadTensors) -> dict[str, tuple[tuple | str, str, tuple[int, ...]]]:
+  """HF name -> (our body path, or the head's key as a str, layout, our shape)."""
   shapes = {path: leaf.shape for path, leaf in decoder.flatten(decoder.abstract_params(body_config(cfg)))}
   rows = {hf_name: (ours, layout, shapes[ours])
           for ours, (hf_name, layout) in hf_io.name_map(body_config(cfg)).items()}
-  rows[SCORE_TENSOR] = (None, "linear", (cfg.hidden_size, 1))
+  rows.update(heads)
   return rows
+
+
+def read_checkpoint(path: str, cfg: ModelConfig, heads: HeadTensors) -> dict[str, Any]:
+  """`{"body": ..., "score": {...}}` in cfg.param_dtype from the weight files of folder `path`.
+
+  A tensor whose shape does not match `cfg`, a missing tensor or an unexpected one raises ValueError
+  naming the file and tensor.
+  """
+  # pylint: disable=protected-access
+  where = hf_io.tensor_locations(hf_io.weight_files(path))
+  expected = _expected_tensors(cfg, heads)
+  extra = sorted(n for n in where.keys() - expected.keys() if not n.endswith(hf_io.IGNORED_SUFFIXES))
+  if extra:
+    raise ValueError(f"{where[extra[0]]}: unexpected tensors {extra[:5]} ({len(extra)} in total)")
+  body, head = {}, {}
+  for hf_name, (ours, layout, shape) in expected.items():
+    if hf_name not in where:
+      raise ValueError(f"{path}: missing tensor '{hf_name}'")
+    x = hf_io.read_tensor(where[hf_name], hf_name)
+    want = hf_io.hf_shape(layout, shape)
+    if x.shape != want:
+      raise ValueError(f"{where[hf_name]}: tensor '{hf_name}' has shape {x.shape}, expected {want} "
+                       f"from {os.path.join(path, 'config.json')}")
+    x = jnp.asarray(hf_io.from_hf_layout(x, layout, shape).astype(hf_io.NP_DTYPES[cfg.param_dtype]))
+    if isinstance(ours, str):
+      head[ours] = x
+    else:
+      body[ours] = x
+  return {"body": decoder.unflatten(body), "score": head}
 
 
 def load_reward_model(path: str | os.PathLike) -> tuple[ModelConfig, RewardParams]:
@@ -211,24 +277,4 @@ def load_reward_model(path: str | os.PathLike) -> tuple[ModelConfig, RewardParam
   if not os.path.isdir(path):
     raise FileNotFoundError(f"{path}: checkpoint folder does not exist")
   cfg = read_reward_config(path)
-  # pylint: disable=protected-access
-  where = hf_io.tensor_locations(hf_io.weight_files(path))
-  expected = _expected_tensors(cfg)
-  extra = sorted(n for n in where.keys() - expected.keys() if not n.endswith(hf_io.IGNORED_SUFFIXES))
-  if extra:
-    raise ValueError(f"{where[extra[0]]}: unexpected tensors {extra[:5]} ({len(extra)} in total)")
-  body, head = {}, None
-  for hf_name, (ours, layout, shape) in expected.items():
-    if hf_name not in where:
-      raise ValueError(f"{path}: missing tensor '{hf_name}'")
-    x = hf_io.read_tensor(where[hf_name], hf_name)
-    want = hf_io.hf_shape(layout, shape)
-    if x.shape != want:
-      raise ValueError(f"{where[hf_name]}: tensor '{hf_name}' has shape {x.shape}, expected {want} "
-                       f"from {os.path.join(path, 'config.json')}")
-    x = jnp.asarray(hf_io.from_hf_layout(x, layout, shape).astype(hf_io.NP_DTYPES[cfg.param_dtype]))
-    if ours is None:
-      head = x
-    else:
-      body[ours] = x
-  return cfg, {"body": decoder.unflatten(body), "score": {"kernel": head}}
+  return cfg, read_checkpoint(path, cfg, head_tensors(cfg))

@@ -22,6 +22,7 @@ from absl import logging
 
 from rl_fusion_jax import metrics as metrics_lib
 from rl_fusion_jax import models
+from rl_fusion_jax.models import value_model
 from rl_fusion_jax.checkpointing import abstract_like
 from rl_fusion_jax.config import ExperimentConfig
 from rl_fusion_jax.errors import ConfigError
@@ -67,6 +68,13 @@ def _targets(cfg: ExperimentConfig, placement: Placement):
     out = state_targets(placement.tx, placement.state_shardings)
     if cfg.algo.needs_reference:
       out["ref_params"] = abstract_like(abstract, placement.param_shardings)
+    if placement.critic is not None:
+      c = placement.critic
+      critic = jax.eval_shape(lambda p: state_lib.TrainState(jnp.int32(0), p, c.tx.init(p), jnp.int32(0)),
+                              value_model.abstract_value_params(cfg.model.config))
+      out["critic"] = {"params": abstract_like(critic.params, c.param_shardings),
+                       "opt_state": abstract_like(critic.opt_state, c.state_shardings.opt_state),
+                       "step": abstract_like(critic.step, c.state_shardings.step)}
     return out
   return targets_for
 
@@ -76,11 +84,13 @@ def _state_from(items) -> state_lib.TrainState:
                               opt_state=items["opt_state"], policy_version=items["counters"]["policy_version"])
 
 
-def _state_items(state, ref=None) -> dict[str, Any]:
+def _state_items(state, ref=None, critic=None) -> dict[str, Any]:
   items = {"params": state.params, "opt_state": state.opt_state,
            "counters": {"step": state.step, "policy_version": state.policy_version}}
   if ref is not None:
     items["ref_params"] = ref
+  if critic is not None:
+    items["critic"] = {"params": critic.params, "opt_state": critic.opt_state, "step": critic.step}
   return items
 
 
@@ -150,6 +160,9 @@ def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ck
     start, before, last_eval = int(meta["step"]), meta["eval_before"], meta.get("last_eval")
     data_position = int(meta["data_position"])
     programs.deployment.publish(state.params)
+    if programs.critic is not None:
+      c = restored.items["critic"]
+      programs.critic.restore(c["params"], c["opt_state"], c["step"])
   else:
     state, ref, before = _warm_start(setup, programs, restored, warm_ckpt, timeline, evaluate)
     start, data_position, last_eval = 0, 0, {"step": 0, **before}
@@ -159,7 +172,8 @@ def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ck
   def save(step: int):
     with timeline.phase("checkpoint", group=d.train_group, step=step):
       ref_now = d.fetch_aux(ref_resting) if ref_resting is not None else None
-      rl_ckpt.save(step, _state_items(state, ref_now), {
+      critic = programs.critic.state if programs.critic is not None else None
+      rl_ckpt.save(step, _state_items(state, ref_now, critic), {
           "kind": "rl", "step": step, "seed": cfg.run.seed, "config": resume.plain_config(cfg),
           "eval_before": before, "last_eval": last_eval, "data_position": data_position,
           "eval_rounds": evaluate.rounds, "guard": guard.state(), "timeline_time": timeline.now()},
@@ -176,7 +190,7 @@ def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ck
   for step in range(start, cfg.run.steps):
     if schedule is None:
       state, scalars = phases.rl_step(setup, programs, state, ref_resting, step, timeline, data_position)
-      data_position += cfg.rollout.num_prompts
+      data_position += int(scalars.pop("prompts_drawn"))
     else:
       state, scalars = schedule.step(state, ref_resting, step, timeline)
       data_position = schedule.data_position
@@ -194,6 +208,7 @@ def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ck
   after = {k: v for k, v in last_eval.items() if k != "step"}
   return {"accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
           "format_rate_before": before["format_rate"], "format_rate_after": after["format_rate"],
+          "eval_before": before, "eval_after": after,
           "steps": cfg.run.steps, "mode": d.mode, "updates_skipped": guard.skipped}
 
 
@@ -213,6 +228,8 @@ def _warm_start(setup: Setup, programs: Programs, restored, warm_ckpt, timeline:
     params = phases.init_policy(setup, programs) if warm_state is None else None
     params = phases.warmup(setup, programs, params, state=warm_state, save=save, guard=guard)
   ref = jax.tree.map(jnp.copy, params) if cfg.algo.needs_reference else None
+  if programs.critic is not None:
+    programs.critic.start(params, setup.critic_params)   # the warmed-up body with a zero head, or critic.init
   state = state_lib.create_train_state(params, programs.tx, programs.state_shardings)
   d.publish(state.params)
   state, before = evaluate(state, 0)

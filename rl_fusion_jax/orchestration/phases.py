@@ -16,13 +16,15 @@ import numpy as np
 from absl import logging
 
 from rl_fusion_jax import models
+from rl_fusion_jax.algorithms import dapo
 from rl_fusion_jax.orchestration import data
 from rl_fusion_jax.orchestration.programs import Programs
 from rl_fusion_jax.orchestration.setup import Setup
-from rl_fusion_jax.rewards.base import score_batch
+from rl_fusion_jax.rewards.base import pass_at_k, score_batch
 from rl_fusion_jax.rollout import workload
 from rl_fusion_jax.rollout.engine import Request
 from rl_fusion_jax.timeline import Timeline
+from rl_fusion_jax.train import critic as critic_lib
 from rl_fusion_jax.train import packed_step, packing
 from rl_fusion_jax.train import state as state_lib
 from rl_fusion_jax.train import step as step_lib
@@ -30,12 +32,13 @@ from rl_fusion_jax.types import Rollout
 
 
 def init_policy(setup: Setup, programs: Programs):
-  """The starting params on the training layout: the HF weights, or a seeded random init."""
+  """The starting params on the training layout: the HF weights, or a random init seeded by
+  ``cfg.policy_seed`` (``warmup.seed``, else ``run.seed``)."""
   cfg = setup.cfg
   if setup.hf_params is not None:
     return jax.device_put(setup.hf_params, programs.param_shardings)
   init = lambda k: models.init_params(cfg.model.config, k, init_std=cfg.model.init_std)
-  return jax.jit(init, out_shardings=programs.param_shardings)(jax.random.key(cfg.run.seed))
+  return jax.jit(init, out_shardings=programs.param_shardings)(jax.random.key(cfg.policy_seed))
 
 
 def warmup_optimizer(cfg):
@@ -116,19 +119,46 @@ def by_sample_id(rollout: Rollout) -> Rollout:
   return jax.tree.map(lambda x: x[order], rollout)
 
 
+# Sample ids of the sampled evaluation start here, above any id a training run reaches (step * batch),
+# so its random streams never repeat a training sample's.
+SAMPLED_EVAL_FIRST_ID = 2**30
+
+
 def evaluate(setup: Setup, programs: Programs, gen_params, round_index: int) -> dict[str, float]:
-  """Greedy accuracy on the held-out problems of ``task.eval_seed`` (params in the generation layout)."""
-  n = setup.cfg.task.eval_problems
+  """Held-out metrics on the problems of ``task.eval_seed`` (params in the generation layout).
+
+  ``accuracy`` / ``format_rate`` / ``reward``: greedy decoding, one response per problem. With
+  ``task.eval_samples`` = n > 0 also ``pass@1`` and ``pass@{task.pass_k}``: n responses per problem under
+  the rollout's sampling (temperature, top-k, top-p), the unbiased estimator averaged over problems.
+  Each round draws fresh samples (ids from ``SAMPLED_EVAL_FIRST_ID + round * problems * n``).
+  """
+  t = setup.cfg.task
+  n = t.eval_problems
   problems = [setup.eval_task.problem(i) for i in range(n)]
-  engine = programs.eval_engine
-  engine.add(requests(setup.tokenizer, problems, setup.cfg.rollout.max_prompt_len, 1,
-                       round_index * n, round_index * n))
+  correct, fmt, rewards = _generate_and_score(setup, programs.eval_engine, gen_params, problems, 1,
+                                              round_index * n)
+  out = {"accuracy": float(np.mean(correct)), "format_rate": float(np.mean(fmt)),
+         "reward": float(np.mean(rewards))}
+  if t.eval_samples:
+    k = t.eval_samples
+    correct, _, _ = _generate_and_score(setup, programs.sampled_eval_engine, gen_params, problems, k,
+                                        SAMPLED_EVAL_FIRST_ID + round_index * n * k)
+    counts = correct.reshape(n, k).sum(axis=1)
+    out["pass@1"] = float(np.mean(pass_at_k(k, counts, 1)))
+    out[f"pass@{t.pass_k}"] = float(np.mean(pass_at_k(k, counts, t.pass_k)))
+  return out
+
+
+def _generate_and_score(setup: Setup, engine, gen_params, problems, samples: int, first_id: int):
+  """(correct, format_ok, rewards) of ``samples`` responses per problem, problem-major (each response its
+  own group of one: the engines evaluating have group_size 1)."""
+  repeated = [p for p in problems for _ in range(samples)]
+  engine.add(requests(setup.tokenizer, repeated, setup.cfg.rollout.max_prompt_len, 1, first_id, first_id))
   rollout = by_sample_id(engine.run(gen_params, 0).rollout)
   texts = data.decode_responses(setup.tokenizer, rollout.tokens_bt, rollout.prompt_len_b,
                                 rollout.response_len_b)
-  rewards, fmt, correct = score_batch(setup.eval_task, problems, texts)
-  return {"accuracy": float(np.mean(correct)), "format_rate": float(np.mean(fmt)),
-          "reward": float(np.mean(rewards))}
+  rewards, fmt, correct = score_batch(setup.eval_task, repeated, texts)
+  return np.asarray(correct, bool), np.asarray(fmt, bool), np.asarray(rewards)
 
 
 class _AuxCall:
@@ -172,9 +202,13 @@ def kv_cache_bytes(cfg) -> int:
 
 
 def generation_phase(programs: Programs, state, step: int, timeline: Timeline, run_engine):
-  """Switch to the generation layout, ``run_engine(gen_params)``, switch back -> (state, result, metrics)."""
+  """Switch to the generation layout, ``run_engine(gen_params)``, switch back -> (state, result, metrics).
+
+  A PPO critic (``programs.critic``) is parked before the switch and back on the devices after it."""
   d, metrics = programs.deployment, {}
   with timeline.phase("switch", group=d.rollout_group, step=step):
+    if programs.critic is not None:
+      metrics |= programs.critic.park()
     state, gen_params, m = d.to_generation(state)
     metrics |= m
   with timeline.phase("generate", group=d.rollout_group, step=step):
@@ -184,6 +218,8 @@ def generation_phase(programs: Programs, state, step: int, timeline: Timeline, r
   with timeline.phase("switch", group=d.train_group, step=step):
     state, m = d.to_training(state)
     metrics |= m
+    if programs.critic is not None:
+      metrics |= programs.critic.unpark()
   tokens = float(result.stats.get("generated_tokens", 0))
   metrics |= {"generate_s": generate_s, "generate_tokens_per_s": tokens / generate_s,
               "engine/generated_tokens": tokens,
@@ -200,7 +236,7 @@ def _packed_update(setup: Setup, programs: Programs, state, rollout: Rollout, ba
   lengths = np.asarray(rollout.prompt_len_b) + np.asarray(rollout.response_len_b)
   layout = packing.plan(lengths, setup.cfg.rollout.seq_len, programs.row_buckets)
   packed = packing.pack_batch(layout, tokens_bt=host.tokens_bt, mask_bt=host.mask_bt,
-                              advantages_b=host.advantages_b, behaviour_logp_bt=host.behaviour_logp_bt,
+                              advantages_bt=host.advantages_bt, behaviour_logp_bt=host.behaviour_logp_bt,
                               ref_logp_bt=host.ref_logp_bt, version_bt=host.version_bt)
   state, train_metrics = programs.packed_step(state, packed_step.device_batch(programs.mesh, packed))
   stats = {"pack/rows": float(layout.num_rows), "pack/rows_used": float(layout.rows_used),
@@ -226,8 +262,28 @@ def cut_width(rollout: Rollout, width: int) -> Rollout:
                          version_bt=cut(rollout.version_bt))
 
 
+def shape_rewards(cfg, rollout: Rollout, rewards):
+  """The verifier's rewards with DAPO's overlong penalty added (``algo.overlong_buffer`` > 0) -> (rewards,
+  metrics); as they are otherwise."""
+  a = cfg.algo
+  if not a.overlong_buffer:
+    return rewards, {}
+  penalty = np.asarray(dapo.overlong_penalty(np.asarray(rollout.response_len_b), max_len=cfg.rollout.max_new_tokens,
+                                             buffer=a.overlong_buffer, factor=float(a.overlong_factor)))
+  return (rewards + penalty).astype(np.float32), {"overlong/penalty_mean": float(penalty.mean()),
+                                                  "overlong/penalized_frac": float((penalty < 0).mean())}
+
+
+def score(setup: Setup, programs: Programs, rollout: Rollout, problems):
+  """(rewards, format_ok, correct, metrics) of a host rollout in sample-id order: the verifier's scores
+  (most taken from the background verify stage) with the reward shaping of ``shape_rewards``."""
+  rewards, fmt, correct, m = programs.verify.scores(rollout, problems)
+  rewards, shaped = shape_rewards(setup.cfg, rollout, rewards)
+  return rewards, fmt, correct, m | shaped
+
+
 def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int, timeline: Timeline,
-                problems, rollout: Rollout, device_rollout: Rollout | None = None):
+                problems, rollout: Rollout, device_rollout: Rollout | None = None, scored=None):
   """Reward -> reference -> advantages -> update -> publish on a host batch sorted by sample id.
 
   The reference and reward-model forward passes are dispatched first, on the aux mesh, and run while
@@ -235,7 +291,12 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
   ``programs.verify``); the update waits for both. ``device_rollout``: the same batch already on the
   training mesh (e.g. read from the queue per data-parallel group); default: built from ``rollout``.
   Both are cut to ``batch_width`` first (if wider), so the reference, the reward model, the batch assembly
-  and the update all run on that width; every loss value is the full-width one.
+  and the update all run on that width; every loss value is the full-width one. ``scored``: the result of
+  ``score`` when the caller already scored the rollout (dynamic sampling).
+
+  With a critic (``programs.critic``, PPO + GAE): its values of the batch are dispatched with the
+  reference, the batch assembly computes GAE advantages and returns from them, and after the policy
+  update the critic takes one regression step on those returns (timeline phase ``critic``).
   """
   cfg, d = setup.cfg, programs.deployment
   width = batch_width(cfg, np.asarray(rollout.prompt_len_b) + np.asarray(rollout.response_len_b))
@@ -253,8 +314,10 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
     score_fn, rm_resting = programs.reward_model
     lengths = _on_aux(programs, None, rollout.prompt_len_b + rollout.response_len_b)
     rm_call = _AuxCall("reward_model", programs, timeline, step, score_fn, rm_resting, aux_tokens, lengths)
+  critic = programs.critic
+  values_bt = critic.values(device_rollout.tokens_bt) if critic is not None else None
   with timeline.phase("reward", group=d.train_group, step=step):
-    rewards, fmt, correct, m = programs.verify.scores(rollout, problems)
+    rewards, fmt, correct, m = scored if scored is not None else score(setup, programs, rollout, problems)
     metrics |= m | {"accuracy": float(correct.mean()), "format_rate": float(fmt.mean())}
     if rm_call is not None:
       rm_b = np.asarray(rm_call.result())
@@ -272,7 +335,11 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
   ref_s = time.perf_counter() - t0
   with timeline.phase("train", group=d.train_group, step=step):
     t0 = time.perf_counter()
-    batch, batch_stats = programs.assemble(device_rollout, data.to_global(programs.mesh, rewards), ref_logp)
+    rewards_dev = data.to_global(programs.mesh, rewards)
+    if critic is None:
+      batch, batch_stats = programs.assemble(device_rollout, rewards_dev, ref_logp)
+    else:
+      batch, batch_stats, returns_bt = programs.assemble(device_rollout, rewards_dev, ref_logp, values_bt)
     if programs.packed_step is None:
       state, train_metrics = programs.train_step(state, batch)
     else:
@@ -280,6 +347,12 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
       metrics |= pack_stats
     train_metrics, batch_stats = jax.device_get((train_metrics, batch_stats))
     train_s = time.perf_counter() - t0
+  if critic is not None:
+    with timeline.phase("critic", group=d.train_group, step=step):
+      t0 = time.perf_counter()
+      critic_batch = critic_lib.CriticBatch(batch.tokens_bt, batch.mask_bt, values_bt, returns_bt)
+      metrics |= {k: float(v) for k, v in jax.device_get(critic.update(critic_batch)).items()}
+      metrics["critic_s"] = time.perf_counter() - t0
   with timeline.phase("publish", group=d.train_group, step=step):
     metrics |= d.publish(state.params)
   resp = rollout.response_len_b
@@ -300,16 +373,74 @@ def rl_step(setup: Setup, programs: Programs, state, ref_resting, step: int, tim
   """The synchronous step: switch -> generate every sample -> switch -> train_phase.
 
   ``data_position``: index of the step's first problem (default ``step * num_prompts``); sample and
-  group ids derive from it, so a run resumed with another batch size never draws a problem twice.
+  group ids derive from it, so a run resumed with another batch size never draws a problem twice. The
+  metrics carry ``prompts_drawn``, how far the data position advances (``num_prompts``, more with
+  ``algo.dynamic_sampling``: see ``_dynamic_batch``).
   """
   r = setup.cfg.rollout
   t_start = time.perf_counter()
   first = step * r.num_prompts if data_position is None else data_position
+  if setup.cfg.algo.dynamic_sampling:
+    state, problems, rollout, scored, metrics = _dynamic_batch(setup, programs, state, step, timeline, first)
+    state, m = train_phase(setup, programs, state, ref_resting, step, timeline, problems, rollout, scored=scored)
+    return state, metrics | m | {"step_s": time.perf_counter() - t_start}
+  problems, (state, result), metrics = _generate_round(setup, programs, state, step, timeline, first)
+  state, m = train_phase(setup, programs, state, ref_resting, step, timeline, problems,
+                         by_sample_id(result.rollout))
+  return state, metrics | m | {"step_s": time.perf_counter() - t_start, "prompts_drawn": r.num_prompts}
+
+
+def _generate_round(setup: Setup, programs: Programs, state, step: int, timeline: Timeline, first: int):
+  """Generates ``group_size`` samples of the ``num_prompts`` problems from index ``first`` ->
+  (problems, (state, engine result), metrics)."""
+  r = setup.cfg.rollout
   problems = [setup.train_task.problem(first + i) for i in range(r.num_prompts)]
   programs.engine.add(requests(setup.tokenizer, problems, r.max_prompt_len, r.group_size,
                                first * r.group_size, first, forced_len=forced_lengths(setup.cfg)))
   state, result, metrics = generation_phase(programs, state, step, timeline,
                                             lambda params: programs.engine.run(params, step))
-  state, m = train_phase(setup, programs, state, ref_resting, step, timeline, problems,
-                         by_sample_id(result.rollout))
-  return state, metrics | m | {"step_s": time.perf_counter() - t_start}
+  return problems, (state, result), metrics
+
+
+def _dynamic_batch(setup: Setup, programs: Programs, state, step: int, timeline: Timeline, first: int):
+  """DAPO's dynamic sampling: rounds of ``num_prompts`` problems are generated and scored until
+  ``num_prompts`` groups whose rewards are not all equal (``dapo.select_informative``) are found, or
+  ``algo.dynamic_sampling_rounds`` extra rounds are spent; the batch keeps the first ``num_prompts``
+  informative groups in draw order, and a batch still short is topped up with the first dropped groups
+  (counted in ``dynamic_sampling/short_batches`` and logged), so every update has the same size.
+
+  Returns (state, problems, host rollout, scored, metrics) with the rollout in group order.
+  """
+  cfg = setup.cfg
+  r, a = cfg.rollout, cfg.algo
+  keep, dropped, rounds, metrics = [], [], 0, {}
+  while True:
+    problems, (state, result), m = _generate_round(setup, programs, state, step, timeline,
+                                                   first + rounds * r.num_prompts)
+    rounds += 1
+    for k, v in m.items():   # seconds and token counts add up over the rounds; the rest is the last round's
+      metrics[k] = metrics.get(k, 0.0) + v if k in ("generate_s", "engine/generated_tokens") else v
+    rollout = by_sample_id(result.rollout)
+    with timeline.phase("reward", group=programs.deployment.train_group, step=step):
+      scored = score(setup, programs, rollout, problems)
+    informative = set(dapo.select_informative(scored[0], r.group_size).tolist())
+    for g, problem in enumerate(problems):
+      (keep if g in informative else dropped).append((problem, rollout, scored, g))
+    if len(keep) >= r.num_prompts or rounds > a.dynamic_sampling_rounds:
+      break
+  short = len(keep) < r.num_prompts
+  if short:
+    logging.warning("dynamic sampling: %d informative groups of %d after %d rounds; the batch is topped up "
+                    "with %d groups of equal rewards", len(keep), r.num_prompts, rounds,
+                    r.num_prompts - len(keep))
+  chosen = (keep + dropped)[:r.num_prompts]
+  rows = lambda g: slice(g * r.group_size, (g + 1) * r.group_size)
+  batch_rollout = jax.tree.map(lambda *xs: np.concatenate(xs),
+                               *[jax.tree.map(lambda x, g=g: np.asarray(x)[rows(g)], ro) for _, ro, _, g in chosen])
+  scored = tuple(np.concatenate([np.asarray(sc[i])[rows(g)] for _, _, sc, g in chosen]) for i in range(3))
+  score_metrics = {k: float(np.mean([sc[3][k] for _, _, sc, _ in chosen])) for k in chosen[0][2][3]}
+  metrics |= {"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/groups_filtered": float(len(dropped)),
+              "dynamic_sampling/informative_frac": len(keep) / (rounds * r.num_prompts),
+              "dynamic_sampling/short_batches": float(short), "prompts_drawn": rounds * r.num_prompts,
+              "generate_tokens_per_s": metrics["engine/generated_tokens"] / max(metrics["generate_s"], 1e-9)}
+  return state, [p for p, _, _, _ in chosen], batch_rollout, (*scored, score_metrics), metrics

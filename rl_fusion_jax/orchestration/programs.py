@@ -1,8 +1,9 @@
 """The compiled device programs of a run and the placement they agree on.
 
 Built once per run from a validated Setup: the deployment (meshes, layouts, residency), the generation
-engines (sampling and greedy evaluation) on the rollout mesh, on the training mesh the RL update and
-the batch assembly, and on the aux mesh (the training mesh unless ``fusion.mode=hybrid``) the reference
+engines (sampling, greedy evaluation and, with ``task.eval_samples``, sampled evaluation) on the rollout
+mesh, on the training mesh the RL update, the batch assembly and, for PPO with a critic, the critic's
+programs (``critic_stage``), and on the aux mesh (the training mesh unless ``fusion.mode=hybrid``) the reference
 log-probs and the reward-model score. Every program has explicit shardings and a few fixed shapes, so each
 compiles once per shape: the train-side programs once per row width (``step.train_width``), the packed
 update once per row bucket. The host stage that verifies finished samples during generation (``verify``)
@@ -22,6 +23,7 @@ from rl_fusion_jax.algorithms import batch as algo_batch
 from rl_fusion_jax.config import ExperimentConfig
 from rl_fusion_jax.fusion.deployment import make_deployment
 from rl_fusion_jax.models import reward_model
+from rl_fusion_jax.orchestration import critic_stage
 from rl_fusion_jax.orchestration.host_stages import VerifyStage
 from rl_fusion_jax.orchestration.setup import Setup
 from rl_fusion_jax.rollout.engine import Engine, EngineConfig
@@ -42,12 +44,21 @@ def assemble_batch(cfg: ExperimentConfig, rollout: Rollout, rewards_b, ref_logp_
                                 kl_estimator=a.kl_estimator, kl_mode=a.kl_mode)
 
 
+def assemble_gae_batch(cfg: ExperimentConfig, rollout: Rollout, rewards_b, ref_logp_bt, values_bt):
+  """Rollout + rewards + critic values (+ reference log-probs) -> (TrainBatch, stats, returns_bt)."""
+  a = cfg.algo
+  return algo_batch.train_batch_gae(rollout, rewards_b, ref_logp_bt, values_bt, advantage=a.advantage,
+                                    gamma=a.gamma, lam=a.lam, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
+                                    kl_mode=a.kl_mode)
+
+
 @dataclasses.dataclass
 class Placement:
   """Optimizer, deployment and state shardings: everything a restore needs, built without compiling."""
   tx: optax.GradientTransformation
   deployment: Any
   state_shardings: state_lib.TrainState
+  critic: critic_stage.CriticPlacement | None = None   # with algo.advantage='gae'
 
   @property
   def mesh(self):
@@ -62,7 +73,8 @@ def make_placement(cfg: ExperimentConfig) -> Placement:
   abstract = models.abstract_params(cfg.model.config)
   tx = state_lib.make_optimizer(cfg.optim)
   d = make_deployment(cfg, abstract, models.param_logical_axes(cfg.model.config), tx)
-  return Placement(tx, d, state_lib.state_shardings(tx, abstract, d.train_param_shardings, d.train_mesh))
+  critic = critic_stage.make_critic_placement(cfg, d) if cfg.algo.uses_critic else None
+  return Placement(tx, d, state_lib.state_shardings(tx, abstract, d.train_param_shardings, d.train_mesh), critic)
 
 
 class Programs:
@@ -87,6 +99,12 @@ class Programs:
     self.eval_engine = Engine(dataclasses.replace(engine_cfg, spec=greedy, num_slots=_eval_slots(cfg),
                                                   group_size=1),
                               d.rollout_mesh, d.rollout_param_shardings)
+    # pass@k: task.eval_samples samples of each held-out problem under the rollout's sampling.
+    self.sampled_eval_engine = None
+    if cfg.task.eval_samples:
+      self.sampled_eval_engine = Engine(
+          dataclasses.replace(engine_cfg, num_slots=_eval_slots(cfg), group_size=1),
+          d.rollout_mesh, d.rollout_param_shardings)
     temperature = sampling.logprob_temperature
     # The micro-batch count follows each batch's shape (width bucket, row bucket): see OptimConfig.
     self.micro = step_lib.MicroBatching.from_optim(cfg.optim, self.mesh.devices.flat[0].platform)
@@ -104,9 +122,16 @@ class Programs:
                                 d.aux_param_shardings(models.abstract_params(model_cfg),
                                                       models.param_logical_axes(model_cfg)))
     self.ref_logprobs = step_lib.make_logprob_fn(model_cfg, temperature, d.aux_mesh, self.ref_param_shardings)
-    self.assemble = jax.jit(functools.partial(assemble_batch, cfg),
-                            out_shardings=(step_lib.batch_shardings(self.mesh),
-                                           mesh_lib.replicated(self.mesh)))
+    self.critic = None
+    if cfg.algo.uses_critic:
+      self.assemble = jax.jit(functools.partial(assemble_gae_batch, cfg),
+                              out_shardings=(step_lib.batch_shardings(self.mesh), mesh_lib.replicated(self.mesh),
+                                             mesh_lib.batch_sharding(self.mesh, 2)))
+      self.critic = critic_stage.CriticStage(cfg, d, placement.critic, self.micro)
+    else:
+      self.assemble = jax.jit(functools.partial(assemble_batch, cfg),
+                              out_shardings=(step_lib.batch_shardings(self.mesh),
+                                             mesh_lib.replicated(self.mesh)))
     self.reward_model = self._reward_model(setup)
     self.verify = VerifyStage(setup.train_task, setup.tokenizer, r.group_size, cfg.task.verify_workers)
     self.engine.on_finished = self.verify.submit

@@ -1,7 +1,7 @@
 """Start-up validation: everything that can be checked before a compile or a write, in one place.
 
 ``validate`` raises a ValueError naming the config field (or the file path) for a bad mesh, batch,
-tokenizer, task, prompt length, rule table, HF checkpoint or reward-model checkpoint; it reads
+tokenizer, task, prompt length, rule table, HF checkpoint, reward-model or value-model checkpoint; it reads
 checkpoints into host memory so the run never discovers a broken file after the workdir exists.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 from rl_fusion_jax import models
 from rl_fusion_jax.config import ExperimentConfig
 from rl_fusion_jax.fusion.deployment import check_rules
-from rl_fusion_jax.models import reward_model
+from rl_fusion_jax.models import reward_model, value_model
 from rl_fusion_jax.orchestration import data
 from rl_fusion_jax.rewards.registry import make_task
 from rl_fusion_jax.tokenizer import CharTokenizer, load_tokenizer
@@ -30,6 +30,19 @@ class Setup:
   eval_task: Any
   hf_params: Any = None       # host weights of config.model.hf_path, if set
   reward_model: Any = None    # (ModelConfig, host params) of config.task.reward_model, if set
+  critic_params: Any = None   # host params of config.critic.init, if set
+
+
+def _read_critic(cfg: ExperimentConfig):
+  """Host params of ``config.critic.init`` (a value model whose shapes match the policy's), or None."""
+  if not cfg.critic.init:
+    return None
+  try:
+    _, params = value_model.load_value_model(cfg.critic.init)
+    value_model.check_value_params(cfg.model.config, params)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"config.critic.init: {e} (the value model must have the policy's shapes)") from e
+  return params
 
 
 def _read_checkpoints(cfg: ExperimentConfig):
@@ -53,10 +66,15 @@ def _read_checkpoints(cfg: ExperimentConfig):
 def _make_tasks(cfg: ExperimentConfig):
   kwargs = dict(cfg.task.kwargs)
   if "seed" in kwargs:
-    raise ValueError("config.task.kwargs.seed: seeds come from config.run.seed and task.eval_seed")
+    raise ValueError("config.task.kwargs.seed: seeds come from config.run.seed, warmup.seed and task.eval_seed")
+  # RL problems from even seeds, warm-up problems from odd ones: the two streams never coincide, whatever
+  # run.seed and warmup.seed are; the held-out stream must differ from both.
+  if cfg.task.eval_seed in (2 * cfg.run.seed, 2 * cfg.policy_seed + 1):
+    raise ValueError(f"config.task.eval_seed={cfg.task.eval_seed}: the held-out problems would be the RL or "
+                     f"warm-up problems (seeds 2 * run.seed and 2 * warmup.seed + 1); pick another")
   try:
     return [make_task(cfg.task.name, seed=seed, **kwargs)
-            for seed in (cfg.run.seed, cfg.run.seed + 1, cfg.task.eval_seed)]
+            for seed in (2 * cfg.run.seed, 2 * cfg.policy_seed + 1, cfg.task.eval_seed)]
   except ValueError as e:
     raise ValueError(f"config.task: {e}") from e
 
@@ -99,7 +117,7 @@ def validate(cfg: ExperimentConfig, num_devices: int) -> Setup:
   tasks = _make_tasks(cfg)
   _check_lengths(cfg, tokenizer, tasks)
   hf_params, rm = _read_checkpoints(cfg)
-  return Setup(cfg, tokenizer, *tasks, hf_params=hf_params, reward_model=rm)
+  return Setup(cfg, tokenizer, *tasks, hf_params=hf_params, reward_model=rm, critic_params=_read_critic(cfg))
 
 
 def write_json_atomic(path: str, obj: Any) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-from jaxtyping import Bool, Float32
+from jaxtyping import Bool, Float32, Float64
 
 __all__ = [
     "Problem",
@@ -24,6 +24,7 @@ __all__ = [
     "check_reward_weights",
     "check_seed",
     "make_score",
+    "pass_at_k",
     "score_batch",
 ]
 
@@ -99,3 +100,40 @@ def score_batch(
   format_ok_b = np.array([s.format_ok for s in scores], dtype=bool)
   correct_b = np.array([s.correct for s in scores], dtype=bool)
   return rewards_b, format_ok_b, correct_b
+
+
+def pass_at_k(num_samples: int, num_correct: Any, k: int) -> float | Float64[np.ndarray, "..."]:
+  """Unbiased pass@k estimate from n samples per problem of which c are correct (Chen et al. 2021,
+  "Evaluating Large Language Models Trained on Code", eq. 1 and its numerically stable form):
+
+      pass@k = 1 - C(n - c, k) / C(n, k) = 1 - prod_{i = n - c + 1}^{n} (1 - k / i)
+
+  The product never forms a binomial coefficient, so it neither overflows nor loses precision for large
+  n. When n - c < k every k-subset holds a correct sample and the estimate is exactly 1.
+
+  Args:
+    num_samples: n >= 1, the samples drawn per problem.
+    num_correct: c, an int or an integer array of per-problem counts, each in [0, n].
+    k: 1 <= k <= n.
+
+  Returns:
+    A float for a scalar count, else a float64 array shaped like num_correct (one estimate per problem).
+  """
+  if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
+    raise ValueError(f"pass_at_k: num_samples must be an int >= 1, got {num_samples!r}")
+  if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= num_samples:
+    raise ValueError(f"pass_at_k: k must be an int in [1, num_samples={num_samples}], got {k!r}")
+  counts = np.asarray(num_correct)
+  if counts.dtype == bool or not np.issubdtype(counts.dtype, np.integer):
+    raise ValueError(f"pass_at_k: num_correct must hold integer counts, got dtype {counts.dtype}")
+  if np.any(counts < 0) or np.any(counts > num_samples):
+    raise ValueError(f"pass_at_k: every num_correct must be in [0, num_samples={num_samples}], got {num_correct!r}")
+  counts_p1 = counts.reshape(-1, 1)
+  # n - c < k: certain success. Those rows are set to 1 directly instead of through the product, whose
+  # factors for i < k are negative and large (1 - k / 1 = 1 - k) and could overflow to inf before the
+  # exact 0 at i = k arrives (inf * 0 = NaN). Elsewhere every factor lies in (0, 1).
+  certain_p1 = num_samples - counts_p1 < k
+  i_n = np.arange(1, num_samples + 1, dtype=np.float64)
+  factors_pn = np.where((i_n > num_samples - counts_p1) & ~certain_p1, 1.0 - k / i_n, 1.0)
+  estimate = np.where(certain_p1[:, 0], 1.0, 1.0 - np.prod(factors_pn, axis=1)).reshape(counts.shape)
+  return float(estimate) if estimate.ndim == 0 else estimate

@@ -22,7 +22,7 @@ MESHES = {"dp2_fsdp2": (dict(data=2, fsdp=2, tensor=1), True),
           "fsdp2_tp2": (dict(data=1, fsdp=2, tensor=2), False)}
 # TrainBatch field -> (queue field, dtype, per token). Token rows are stored packed, unpadded.
 QUEUE_FIELDS = {"tokens_bt": ("tokens", np.int32, True), "mask_bt": ("mask", np.float32, True),
-                "advantages_b": ("advantage", np.float32, False),
+                "advantages_bt": ("advantages", np.float32, True),
                 "behaviour_logp_bt": ("behaviour_logp", np.float32, True),
                 "ref_logp_bt": ("ref_logp", np.float32, True), "version_bt": ("version", np.int32, True)}
 CONSUMER = "train"
@@ -36,7 +36,7 @@ def host_batch(batch: int = 8, seq: int = 10, prompt: int = 3, seed: int = 0):
   real = (np.arange(seq)[None, :] < lengths[:, None])
   mask = (real & (np.arange(seq)[None, :] >= prompt)).astype(np.float32)
   fields = {"tokens_bt": rng.integers(3, 64, size=(batch, seq)).astype(np.int32) * real,
-            "mask_bt": mask, "advantages_b": rng.normal(size=batch).astype(np.float32),
+            "mask_bt": mask, "advantages_bt": rng.normal(size=(batch, 1)).astype(np.float32) * mask,
             "behaviour_logp_bt": (rng.normal(size=(batch, seq)) * 0.1 - 4).astype(np.float32) * mask,
             "ref_logp_bt": np.zeros_like(mask), "version_bt": np.zeros(mask.shape, np.int32)}
   return fields, lengths

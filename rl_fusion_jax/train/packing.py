@@ -177,13 +177,13 @@ class PackedBatch:
   segment_ids_rw: np.ndarray       # int32, 1..k per row, 0 = padding
   sample_rw: np.ndarray            # int32, index of the sample in the input batch, -1 = padding
   mask_rw: np.ndarray              # float32, 1 on response tokens
-  advantages_rw: np.ndarray        # float32, the sample's advantage on each of its tokens
+  advantages_rw: np.ndarray        # float32, per token (0 outside the response)
   behaviour_logp_rw: np.ndarray    # float32
   ref_logp_rw: np.ndarray          # float32
   version_rw: np.ndarray           # int32
 
 
-def pack_batch(layout: Layout, *, tokens_bt, mask_bt, advantages_b, behaviour_logp_bt, ref_logp_bt,
+def pack_batch(layout: Layout, *, tokens_bt, mask_bt, advantages_bt, behaviour_logp_bt, ref_logp_bt,
                version_bt) -> PackedBatch:
   """Right-padded TrainBatch fields (host arrays) -> PackedBatch laid out by ``layout``."""
   i32, f32 = np.int32, np.float32
@@ -193,19 +193,16 @@ def pack_batch(layout: Layout, *, tokens_bt, mask_bt, advantages_b, behaviour_lo
       positions_rw=layout.positions_rw().astype(i32), segment_ids_rw=layout.segment_ids_rw().astype(i32),
       sample_rw=layout.pack_per_sample(np.arange(len(layout.length_b)), PAD["sample"]).astype(i32),
       mask_rw=token("mask", mask_bt, f32),
-      advantages_rw=layout.pack_per_sample(np.asarray(advantages_b, f32), PAD["advantages"]),
+      advantages_rw=token("advantages", advantages_bt, f32),
       behaviour_logp_rw=token("behaviour_logp", behaviour_logp_bt, f32),
       ref_logp_rw=token("ref_logp", ref_logp_bt, f32), version_rw=token("version", version_bt, i32))
 
 
 def unpack_batch(packed: PackedBatch, seq_len: int) -> dict[str, np.ndarray]:
-  """PackedBatch -> right-padded [B, seq_len] fields (advantages as [B]): the inverse of ``pack_batch``."""
+  """PackedBatch -> right-padded [B, seq_len] fields: the inverse of ``pack_batch``."""
   lay = packed.layout
-  out = {name: lay.unpack(getattr(packed, f"{name}_rw"), seq_len, PAD[name])
-         for name in ("tokens", "mask", "behaviour_logp", "ref_logp", "version")}
-  adv_bt = lay.unpack(packed.advantages_rw, max(1, lay.length_b.max(initial=0)))
-  out["advantages"] = np.where(lay.length_b > 0, adv_bt[:, 0], 0.0).astype(np.float32)
-  return out
+  return {name: lay.unpack(getattr(packed, f"{name}_rw"), seq_len, PAD[name])
+          for name in ("tokens", "mask", "advantages", "behaviour_logp", "ref_logp", "version")}
 
 
 def lengths_from_mask(mask_bt: Float[np.ndarray, "B T"]) -> Int[np.ndarray, "B"]:

@@ -2,8 +2,8 @@
 
 Each is compiled once per batch shape with explicit in/out shardings and the state donated. Gradients
 accumulate over micro-batches in a ``lax.scan``; the loss aggregation is expressed as per-token weights
-computed on the whole batch first (``algorithms.token_weights``), so accumulation gives exactly the
-full-batch gradient. Micro-batches take every M-th row, so each device's shard contributes equally to
+computed on the whole batch first (``registry.AGGREGATIONS[algo.aggregation]``), so accumulation gives
+exactly the full-batch gradient. Micro-batches take every M-th row, so each device's shard contributes equally to
 every micro-batch. The RL step derives M from the batch's static shape (``MicroBatching``) and the host
 cuts the batch width to the longest sample (``train_width``), so each width compiles once.
 """
@@ -181,7 +181,7 @@ def rl_loss(model_cfg: models.ModelConfig, algo: AlgoConfig, temperature: float,
   """Policy loss + optional KL and entropy terms, aggregated with the precomputed token weights."""
   logp_bt, entropy_bt = token_logprobs(model_cfg, params, batch.tokens_bt, temperature, with_entropy=True)
   return rl_loss_from_logprobs(algo, logp_bt, entropy_bt, behaviour_logp_bt=batch.behaviour_logp_bt,
-                               advantages=batch.advantages_b, mask_bt=batch.mask_bt,
+                               advantages=batch.advantages_bt, mask_bt=batch.mask_bt,
                                ref_logp_bt=batch.ref_logp_bt, weights=weights)
 
 
@@ -230,7 +230,7 @@ def _metric_weights(mask_bt):
 
 def rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: MicroBatching, mesh: Mesh,
             norm_len: int, state: TrainState, batch: TrainBatch):
-  loss_w_bt = algorithms.token_weights(batch.mask_bt, algo.aggregation, norm_len=norm_len)
+  loss_w_bt = registry.get_token_weights_fn(algo.aggregation)(batch.mask_bt, norm_len=norm_len)
   weights = (loss_w_bt, _metric_weights(batch.mask_bt))
   loss_fn = functools.partial(rl_loss, model_cfg, algo, temperature)
   num_micro = micro.num_micro(*batch.tokens_bt.shape, batch_shards(mesh))
@@ -244,8 +244,8 @@ def sft_step(model_cfg, tx, num_micro: int, mesh: Mesh, state: TrainState, token
 
 
 def batch_shardings(mesh: Mesh) -> TrainBatch:
-  b1, b2 = batch_sharding(mesh, 1), batch_sharding(mesh, 2)
-  return TrainBatch(tokens_bt=b2, mask_bt=b2, advantages_b=b1, behaviour_logp_bt=b2, ref_logp_bt=b2,
+  b2 = batch_sharding(mesh, 2)
+  return TrainBatch(tokens_bt=b2, mask_bt=b2, advantages_bt=b2, behaviour_logp_bt=b2, ref_logp_bt=b2,
                     version_bt=b2)
 
 

@@ -1,0 +1,135 @@
+"""The PPO critic of a run (``algo.advantage='gae'``): its state, where it rests, and its two programs.
+
+The critic is a value model (``models/value_model.py``) with its own TrainState on the training mesh, in
+the training layout (``sharding/rules.py`` TRAIN_RULES over ``value_model.value_logical_axes``). It is
+used twice per RL step, both in the train phase: ``values`` (the rollout-time values GAE needs) and
+``update`` (one regression step on the GAE returns, ``train/critic.py``). Between train phases it rests
+where the deployment says (``park`` before the generation phase, ``unpark`` after it):
+
+* ``colocated`` / ``hybrid``: weights stay on the devices; the optimizer state moves to host memory
+  (``pinned_host``) with ``fusion.offload_optimizer``, like the actor's.
+* ``full``: weights and optimizer state both rest in host memory, so the critic is on the devices only
+  for the train phase.
+* ``separated``: the training side never generates, so nothing moves.
+
+Moves are bucketed (``reshard.move``, ``fusion.bucket_bytes``): never two full copies of a tree.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from rl_fusion_jax.config import ExperimentConfig
+from rl_fusion_jax.models import value_model
+from rl_fusion_jax.sharding import reshard
+from rl_fusion_jax.sharding.rules import param_shardings
+from rl_fusion_jax.train import critic as critic_lib
+from rl_fusion_jax.train import state as state_lib
+from rl_fusion_jax.train.step import MicroBatching
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticPlacement:
+  """Optimizer and shardings of the critic: what a restore needs, built without compiling."""
+  tx: optax.GradientTransformation
+  param_shardings: object
+  state_shardings: state_lib.TrainState
+
+
+def make_critic_placement(cfg: ExperimentConfig, deployment) -> CriticPlacement:
+  model_cfg = cfg.model.config
+  abstract = value_model.abstract_value_params(model_cfg)
+  shardings = param_shardings(abstract, value_model.value_logical_axes(model_cfg), deployment.train_mesh,
+                              deployment.train_rules)
+  tx = state_lib.make_optimizer(dataclasses.replace(cfg.optim, learning_rate=cfg.critic.learning_rate))
+  return CriticPlacement(tx, shardings, state_lib.state_shardings(tx, abstract, shardings, deployment.train_mesh))
+
+
+class CriticStage:
+  """The critic's TrainState (``state``, None until ``start``/``restore``) and its compiled programs."""
+
+  def __init__(self, cfg: ExperimentConfig, deployment, placement: CriticPlacement, micro: MicroBatching):
+    model_cfg = cfg.model.config
+    self.cfg, self.deployment, self.placement = cfg, deployment, placement
+    clip = cfg.critic.value_clip or None
+    self.step_fn = critic_lib.make_critic_step(model_cfg, clip, placement.tx, micro, deployment.train_mesh,
+                                               placement.state_shardings)
+    self.value_fn = critic_lib.make_value_fn(model_cfg, deployment.train_mesh, placement.param_shardings)
+    self.state: state_lib.TrainState | None = None
+    self.parked = False
+
+  # --- state ----------------------------------------------------------------------------------------
+
+  def start(self, policy_params, host_params=None) -> None:
+    """A fresh critic: ``host_params`` (a loaded value model) or the policy's body with a zero head."""
+    model_cfg = self.cfg.model.config
+    if host_params is None:
+      params = jax.jit(lambda p: value_model.value_params_from_policy(model_cfg, p),
+                       out_shardings=self.placement.param_shardings)(policy_params)
+    else:
+      params = jax.device_put(host_params, self.placement.param_shardings)
+    self.state = state_lib.create_train_state(params, self.placement.tx, self.placement.state_shardings)
+    self.parked = False
+
+  def restore(self, params, opt_state, step) -> None:
+    self.state = state_lib.TrainState(step=step, params=params, opt_state=opt_state,
+                                      policy_version=jnp.int32(0))
+    self.parked = False
+
+  # --- residency ------------------------------------------------------------------------------------
+
+  def _resting(self) -> dict[str, bool]:
+    """Which fields rest in host memory between train phases in this deployment."""
+    mode = self.deployment.mode
+    if mode == "separated":
+      return {"params": False, "opt_state": False}
+    return {"params": mode == "full", "opt_state": self.deployment.offload_optimizer}
+
+  def _move(self, memory_kind: str) -> dict[str, float]:
+    start, moved = time.perf_counter(), 0
+    fields = {"params": self.placement.param_shardings, "opt_state": self.placement.state_shardings.opt_state}
+    state = self.state
+    for name, on_host in self._resting().items():
+      if not on_host:
+        continue
+      dst = jax.tree.map(lambda s: s.with_memory_kind(memory_kind), fields[name])
+      tree, nbytes = reshard.move(getattr(state, name), dst, bucket_bytes=self.deployment.bucket_bytes,
+                                  name=f"critic.{name}")
+      state, moved = state.replace(**{name: tree}), moved + nbytes
+    self.state = state
+    return {"seconds": time.perf_counter() - start, "bytes": float(moved)}
+
+  def park(self) -> dict[str, float]:
+    """Before generating: the resting fields go to host memory."""
+    if self.parked:
+      return {}
+    m = self._move(reshard.HOST)
+    self.parked = True
+    return {f"critic/park_{k}": v for k, v in m.items()}
+
+  def unpark(self) -> dict[str, float]:
+    """Before the train phase: everything back on the devices."""
+    if not self.parked:
+      return {}
+    m = self._move("device")
+    self.parked = False
+    return {f"critic/unpark_{k}": v for k, v in m.items()}
+
+  # --- programs -------------------------------------------------------------------------------------
+
+  def values(self, tokens_bt):
+    """float32 [B, T] rollout-time values (dispatched, not waited for)."""
+    if self.parked:
+      raise RuntimeError("critic: values() while parked; unpark() first")
+    return self.value_fn(self.state.params, tokens_bt)
+
+  def update(self, batch: critic_lib.CriticBatch) -> dict:
+    """One regression step; returns the metrics (device scalars), ``critic/``-prefixed."""
+    if self.parked:
+      raise RuntimeError("critic: update() while parked; unpark() first")
+    self.state, metrics = self.step_fn(self.state, batch)
+    return {f"critic/{k}": v for k, v in metrics.items()}
