@@ -112,3 +112,18 @@ def test_ppo_under_stalesync(tmp_path):
   rows = rl_rows(tmp_path / "run")
   assert len(rows) == 3 and all(np.isfinite(r["critic/value_loss"]) for r in rows)
   assert max(r["stalesync/staleness_max"] for r in rows) <= 1
+
+
+def test_a_nonfinite_critic_update_stops_the_run_naming_the_critic(tmp_path, monkeypatch):
+  # The critic step never applies a non-finite update (train/step.py::update); the host acts on its flag
+  # with run.on_nonfinite like on the policy's: 'stop' names the critic and the step.
+  from rl_fusion_jax.errors import DivergenceError
+  from rl_fusion_jax.orchestration import critic_stage
+  real = critic_stage.CriticStage.update
+
+  def failing(self, batch):
+    metrics = real(self, batch)
+    return metrics | {"critic/nonfinite": np.float32(2.0), "critic/grad_norm": np.float32(np.nan)}
+  monkeypatch.setattr(critic_stage.CriticStage, "update", failing)
+  with pytest.raises(DivergenceError, match="critic step 1: non-finite gradients"):
+    loop.run(tiny(**PPO), str(tmp_path / "run"))

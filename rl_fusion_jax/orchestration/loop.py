@@ -151,6 +151,8 @@ def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ck
   meta = restored.meta if restored is not None and restored.kind == "rl" else {}
   evaluate = _Evaluator(setup, programs, timeline, meta.get("eval_rounds", 0))
   guard = DivergenceGuard(cfg.run, "RL", **meta.get("guard", {}))
+  critic_guard = (DivergenceGuard(cfg.run, "critic", **meta.get("critic_guard", {}))
+                  if programs.critic is not None else None)
   host = restored.host if meta else None
   schedule = stalesync.from_state(setup, programs, host) if cfg.stalesync.enabled else None
 
@@ -176,7 +178,8 @@ def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ck
       rl_ckpt.save(step, _state_items(state, ref_now, critic), {
           "kind": "rl", "step": step, "seed": cfg.run.seed, "config": resume.plain_config(cfg),
           "eval_before": before, "last_eval": last_eval, "data_position": data_position,
-          "eval_rounds": evaluate.rounds, "guard": guard.state(), "timeline_time": timeline.now()},
+          "eval_rounds": evaluate.rounds, "guard": guard.state(), "timeline_time": timeline.now(),
+          **({"critic_guard": critic_guard.state()} if critic_guard is not None else {})},
           host=schedule.state_dict() if schedule is not None else None)
       if ref_now is not None and ref_now is not ref_resting:
         rl_ckpt.wait()   # a fetched device copy of a host-resident reference is released after the save
@@ -195,6 +198,10 @@ def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ck
       state, scalars = schedule.step(state, ref_resting, step, timeline)
       data_position = schedule.data_position
     scalars |= guard.scalars(guard.check(step + 1, scalars))
+    if critic_guard is not None:   # the critic's own update: the same policy, its own counters
+      critic = {k[len("critic/"):]: v for k, v in scalars.items() if k.startswith("critic/")}
+      applied = critic_guard.check(step + 1, critic | {"loss": critic["value_loss"]})
+      scalars |= {f"critic/{k}": v for k, v in critic_guard.scalars(applied).items()}
     if step + 1 == cfg.run.steps or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0):
       state, out = evaluate(state, step + 1)
       scalars |= {f"eval/{k}": v for k, v in out.items()}
