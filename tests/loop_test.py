@@ -187,12 +187,10 @@ def test_sampled_evaluation_reports_pass_at_k(tmp_path):
     ev = summary[when]
     assert ev["pass@1"] == ev["pass@2"] == ev["accuracy"], ev
   assert summary["eval_before"]["accuracy"] > 0     # the check above is not 0 == 0
-  # Sampling at temperature 1: pass@2 >= pass@1, and both are in the metrics of step 0 and the last step.
-  summary = loop.run(tiny(**{"task.eval_samples": 4, "task.pass_k": 2, "run.steps": 1}), str(tmp_path / "t1"))
-  rows = metrics_lib.read_metrics(str(tmp_path / "t1"))
-  for row in (rows[0], rows[-1]):
-    assert 0 <= row["eval/pass@1"] <= row["eval/pass@2"] <= 1
-  assert summary["eval_after"]["pass@2"] == rows[-1]["eval/pass@2"]
+  # Both are in the metrics of step 0 and of the last step, as in the summary.
+  rows = metrics_lib.read_metrics(str(tmp_path / "greedy"))
+  assert (rows[0]["eval/pass@2"], rows[-1]["eval/pass@2"]) == (summary["eval_before"]["pass@2"],
+                                                               summary["eval_after"]["pass@2"])
 
 
 def test_group_relative_advantages_refuse_groups_of_one():
@@ -205,12 +203,12 @@ def test_a_fixed_warmup_seed_gives_every_run_seed_the_same_start(tmp_path):
   # warmed-up policy before RL, then part ways (the RL problems and sampling streams follow run.seed).
   runs = {}
   for seed in (1, 2):
-    cfg = tiny(**{"run.seed": seed, "warmup.seed": 0, "warmup.steps": 20, "run.steps": 2,
+    cfg = tiny(**{"run.seed": seed, "warmup.seed": 0, "warmup.steps": 4, "run.steps": 1,
                   "task.eval_samples": 2, "task.pass_k": 2})
     loop.run(cfg, str(tmp_path / f"s{seed}"))
     runs[seed] = metrics_lib.read_metrics(str(tmp_path / f"s{seed}"))
   assert runs[1][0] == runs[2][0]               # the step-0 line: evaluation of the warmed-up policy
-  assert runs[1][1]["loss"] != runs[2][1]["loss"]
+  assert runs[1][1]["entropy"] != runs[2][1]["entropy"]   # other RL problems and samples
 
 
 def test_rl_warmup_and_heldout_problem_streams_are_distinct():

@@ -107,10 +107,10 @@ def test_ppo_under_stalesync(tmp_path):
   # of the admitted groups, one update per RL step).
   cfg = tiny(**PPO, **{"stalesync.enabled": True, "stalesync.max_staleness": 1,
                        "stalesync.rollout_fraction": 0.5, "rollout.num_slots": 16,
-                       "algo.policy_loss": "decoupled_ppo", "run.steps": 3})
+                       "algo.policy_loss": "decoupled_ppo", "run.steps": 2})
   loop.run(cfg, str(tmp_path / "run"))
   rows = rl_rows(tmp_path / "run")
-  assert len(rows) == 3 and all(np.isfinite(r["critic/value_loss"]) for r in rows)
+  assert len(rows) == 2 and all(np.isfinite(r["critic/value_loss"]) for r in rows)
   assert max(r["stalesync/staleness_max"] for r in rows) <= 1
 
 
