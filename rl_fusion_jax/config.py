@@ -299,7 +299,7 @@ class CriticConfig:
   value_clip: PPO's value clipping around the rollout-time values (0 disables). The optimizer is
   ``config.optim``'s AdamW at ``learning_rate``. Residency follows ``fusion.mode``: its optimizer state
   leaves the devices while generating (with ``fusion.offload_optimizer``), and in ``full`` mode its
-  weights too, so they are on the devices only for the train phase.
+  weights too, so they are off the devices while generating (they come back for the train phase).
   """
   learning_rate: float = 1e-4
   value_clip: float = 0.2

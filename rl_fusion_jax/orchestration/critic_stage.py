@@ -8,8 +8,8 @@ where the deployment says (``park`` before the generation phase, ``unpark`` afte
 
 * ``colocated`` / ``hybrid``: weights stay on the devices; the optimizer state moves to host memory
   (``pinned_host``) with ``fusion.offload_optimizer``, like the actor's.
-* ``full``: weights and optimizer state both rest in host memory, so the critic is on the devices only
-  for the train phase.
+* ``full``: weights and optimizer state both go to host memory for the generation phase (they are back
+  on the devices for the train phase, and stay there through evaluation and checkpointing).
 * ``separated``: the training side never generates, so nothing moves.
 
 Moves are bucketed (``reshard.move``, ``fusion.bucket_bytes``): never two full copies of a tree.

@@ -119,8 +119,8 @@ def by_sample_id(rollout: Rollout) -> Rollout:
   return jax.tree.map(lambda x: x[order], rollout)
 
 
-# Sample ids of the sampled evaluation start here, above any id a training run reaches (step * batch),
-# so its random streams never repeat a training sample's.
+# Sample ids of the sampled evaluation start here, above the ids of a run's first 2**30 training samples
+# (step * batch), so its random streams do not repeat a training sample's.
 SAMPLED_EVAL_FIRST_ID = 2**30
 
 
@@ -438,7 +438,10 @@ def _dynamic_batch(setup: Setup, programs: Programs, state, step: int, timeline:
   batch_rollout = jax.tree.map(lambda *xs: np.concatenate(xs),
                                *[jax.tree.map(lambda x, g=g: np.asarray(x)[rows(g)], ro) for _, ro, _, g in chosen])
   scored = tuple(np.concatenate([np.asarray(sc[i])[rows(g)] for _, _, sc, g in chosen]) for i in range(3))
+  # Verify-stage metrics: the mean over the rounds the batch's groups came from; the reward-shaping ones
+  # are recomputed on the batch itself.
   score_metrics = {k: float(np.mean([sc[3][k] for _, _, sc, _ in chosen])) for k in chosen[0][2][3]}
+  score_metrics |= shape_rewards(cfg, batch_rollout, np.zeros_like(scored[0]))[1]
   metrics |= {"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/groups_filtered": float(len(dropped)),
               "dynamic_sampling/informative_frac": len(keep) / (rounds * r.num_prompts),
               "dynamic_sampling/short_batches": float(short), "prompts_drawn": rounds * r.num_prompts,
