@@ -19,6 +19,7 @@ setuptools.setup(
         "ml-collections>=1.1.0",
         "safetensors>=0.4",
         "tokenizers>=0.20",
+        "jinja2>=3.1",  # chat templates (rl_fusion_jax/chat.py), rendered as transformers does
         "numpy>=1.26",
         "jaxtyping>=0.2.36",
     ],

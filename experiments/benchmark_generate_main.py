@@ -35,14 +35,17 @@ _SIGMA = flags.DEFINE_float("sigma", 0.8, "Log-normal sigma of response lengths.
 _PHASE = flags.DEFINE_integer("phase_samples", 0, "Partial rollout: samples per phase (0: slots).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats per schedule (medians reported).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of weights, prompts and lengths.")
-_PRESET = flags.DEFINE_enum("preset", "", ["", "0.5b"], "Model shape preset (overrides the size flags): "
-                            "0.5b = Qwen2-0.5B shape (vocab 151936, hidden 896, 24 layers, 14/2 heads, "
-                            "MLP 4864, tied).")
+_PRESET = flags.DEFINE_enum("preset", "", ["", "0.5b", "1.5b"], "Model shape preset (overrides the size "
+                            "flags): 0.5b = Qwen2-0.5B shape (vocab 151936, hidden 896, 24 layers, 14/2 "
+                            "heads, MLP 4864, tied); 1.5b = Qwen2.5-1.5B (hidden 1536, 28 layers, 12/2 heads, "
+                            "MLP 8960, tied).")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Param and compute dtype.")
 _HBM = flags.DEFINE_float("hbm_gb_per_s", 4800.0, "Memory bandwidth for the decode roofline (H200: 4800).")
 
 PRESETS = {"0.5b": dict(vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
-                        intermediate_size=4864, tie_word_embeddings=True)}
+                        intermediate_size=4864, tie_word_embeddings=True),
+           "1.5b": dict(vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
+                        intermediate_size=8960, tie_word_embeddings=True)}
 
 
 def model_config(models):
@@ -77,7 +80,7 @@ def main(argv):
   from rl_fusion_jax import models
   from rl_fusion_jax.rollout import engine as engine_lib
   from rl_fusion_jax.rollout import workload
-  from rl_fusion_jax.rollout.generate import GenerateSpec
+  from rl_fusion_jax.rollout.decode import GenerateSpec
   from rl_fusion_jax.rollout.sampling import SamplingParams
   from rl_fusion_jax.sharding import mesh as mesh_lib
   from rl_fusion_jax.sharding.rules import GENERATE_RULES, param_shardings

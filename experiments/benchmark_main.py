@@ -22,6 +22,8 @@ import turns
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
 _STEPS = flags.DEFINE_integer("steps", 10, "Measured steps.")
+_PEAK = flags.DEFINE_float("peak_tflops", 0.0, "The device's peak dense TFLOP/s in the compute dtype (H200 "
+                           "bfloat16: 989); when set, train_mfu = model FLOPs of the update / time / peak.")
 _WARMUP = flags.DEFINE_integer("warmup_steps", 2, "Unmeasured steps after the first one.")
 _CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/rl_fusion_jax/jax_cache",
                              "Persistent XLA compilation cache ('' disables).")
@@ -76,8 +78,8 @@ def main(argv):
   programs = Programs(setup)
   mesh = programs.mesh
   params = phases.init_policy(setup, programs)
-  ref = programs.deployment.place_aux(jax.tree.map(lambda x: x.copy(), params),
-                                      programs.ref_param_shardings) if cfg.algo.needs_reference else None
+  ref = programs.deployment.place_aux(params, programs.ref_param_shardings,
+                                      keep_source=True) if cfg.algo.needs_reference else None
   state = state_lib.create_train_state(params, programs.tx, programs.state_shardings)
   programs.deployment.publish(state.params)
   timeline = Timeline()
@@ -112,6 +114,7 @@ def main(argv):
       "reward_s": round(med("reward_s"), 4), "ref_s": round(med("ref_s"), 4),
       "generate_gflop_per_s": round(flops["generate"] / gen_s / 1e9, 1),
       "train_gflop_per_s": round(flops["train"] / train_s / 1e9, 1),
+      **({"train_mfu": round(flops["train"] / train_s / (_PEAK.value * 1e12), 4)} if _PEAK.value else {}),
       "generate_tokens_per_s": round(med("generate_tokens_per_s"), 1),
       "train_tokens_per_s": round(med("train_tokens_per_s"), 1),
       "response_len_mean": round(med("response_len_mean"), 2),

@@ -15,6 +15,7 @@ from typing import Any
 
 from rl_fusion_jax.errors import ConfigError
 from rl_fusion_jax.models import ModelConfig
+from rl_fusion_jax.models.config import RUNTIME_FIELDS
 
 
 def _require(cond: bool, field: str, msg: str) -> None:
@@ -81,10 +82,11 @@ class FusionConfig:
   aux_devices: int = 1              # hybrid: devices of the reference / reward-model group
   bucket_bytes: int = 64 << 20      # reshard / offload bucket size
   offload_optimizer: bool = True    # optimizer state to pinned_host while generating
-  # Live-memory sampling inside the phase switches (the switch/*/peak_*, transient_* and *_kind_bytes_*
-  # metrics): on the first switch of each direction and every `memory_every`-th one after (0: never).
-  # Each sample walks every live array (about 0.01 s a switch for tiny-grpo on 2 CPU cores).
-  memory_every: int = 10
+  # Live-memory sampling inside the parameter moves (the */peak_*, transient_* and *_kind_bytes_* metrics
+  # of switch/*, sync/*, aux/*, critic/*park/*): on the first move of each kind and every `memory_every`-th
+  # one after; 0 (default): never, so the loop pays nothing. Each sample walks every live array (about
+  # 0.01 s a switch for tiny-grpo on 2 CPU cores); tests and memory benchmarks turn it on.
+  memory_every: int = 0
   # Overrides of single entries of the rule tables, e.g. (("embed", "fsdp"),) or (("mlp", None),).
   train_rules: tuple = ()
   generate_rules: tuple = ()
@@ -133,12 +135,15 @@ class ModelSource:
     _require(self.init_std > 0, "model.init_std", f"must be > 0, got {self.init_std}")
 
 
+PROMPT_FORMATS = ("plain", "chat")
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
   """The verifiable task and its tokenizer."""
   name: str = "arithmetic"
   kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-  tokenizer: str = "char"     # 'char' or a path to tokenizer.json / a folder holding one
+  tokenizer: str = "char"     # 'char', a path to tokenizer.json / a folder holding one, '' = model.hf_path
   eval_seed: int = 10_000     # the held-out problems come from a task built with this seed
   eval_problems: int = 128
   # Sampled evaluation: eval_samples responses per held-out problem at the rollout's temperature (top_k,
@@ -152,10 +157,24 @@ class TaskConfig:
   reward_model_weight: float = 1.0
   # Threads that decode and verify finished samples while generation goes on (0: all in the train phase).
   verify_workers: int = 1
+  # 'plain': bos (if the tokenizer has one) + the task's prompt text. 'chat': the prompt text as one user
+  # message (after a system message when system_prompt is set) rendered by the tokenizer's chat template,
+  # with the generation prompt (rl_fusion_jax/chat.py); generation then stops where an assistant turn ends.
+  prompt_format: str = "plain"
+  system_prompt: str = ""
 
   def __post_init__(self):
     _require(isinstance(self.name, str) and bool(self.name), "task.name",
              f"must be a task name, got {self.name!r}")
+    _require(self.prompt_format in PROMPT_FORMATS, "task.prompt_format",
+             f"must be one of {PROMPT_FORMATS}, got {self.prompt_format!r}")
+    _require(self.prompt_format != "chat" or self.tokenizer != "char", "task.prompt_format",
+             "'chat' renders prompts with a Hugging Face chat template, and task.tokenizer='char' has none; "
+             "set task.tokenizer to a checkpoint folder (or '' for model.hf_path)")
+    _require(isinstance(self.system_prompt, str)
+             and (self.prompt_format == "chat" or not self.system_prompt), "task.system_prompt",
+             f"must be a str, used only with task.prompt_format='chat', got {self.system_prompt!r:.60} "
+             f"with prompt_format={self.prompt_format!r}")
     _require(self.eval_problems >= 1, "task.eval_problems", f"must be >= 1, got {self.eval_problems}")
     _require(isinstance(self.eval_samples, int) and self.eval_samples >= 0, "task.eval_samples",
              f"must be an int >= 0 (0: no sampled evaluation), got {self.eval_samples!r}")
@@ -546,7 +565,8 @@ def to_plain(value: Any) -> Any:
 def _model_from_checkpoint(hf_path: str, given: Mapping[str, Any]) -> ModelConfig:
   """The architecture comes from ``hf_path/config.json``; given fields must agree with it.
 
-  Only the compute ``dtype`` may differ from the checkpoint. Anything else that disagrees is an error
+  Only the fields of ``models.config.RUNTIME_FIELDS`` (precision policy, remat, logits chunk) may differ
+  from the checkpoint. Anything else that disagrees is an error
   naming the field, so a config never silently describes a different model than the one it loads.
   """
   from rl_fusion_jax.models import hf_io  # deferred: reads files
@@ -557,13 +577,26 @@ def _model_from_checkpoint(hf_path: str, given: Mapping[str, Any]) -> ModelConfi
   unknown = sorted(set(given) - {f.name for f in dataclasses.fields(ModelConfig)})
   if unknown:
     raise ConfigError(f"unknown config field(s) {', '.join('config.model.' + k for k in unknown)}")
-  overrides = {"dtype": given["dtype"]} if "dtype" in given else {}
-  cfg = dataclasses.replace(ckpt, **overrides)
+  overrides = {k: v for k, v in given.items() if k in RUNTIME_FIELDS}
+  try:
+    cfg = dataclasses.replace(ckpt, **overrides)
+  except ValueError as e:
+    raise ConfigError(f"config.model: {e}") from None
   for name, value in given.items():
-    if name != "dtype" and getattr(cfg, name) != value:
+    if name not in RUNTIME_FIELDS and getattr(cfg, name) != value:
       raise ConfigError(f"config.model.{name}={value!r} disagrees with {hf_path}/config.json "
                        f"({getattr(cfg, name)!r}); drop the field or fix it")
   return cfg
+
+
+def _check_architecture_given(model: Mapping[str, Any]) -> None:
+  """Without hf_path the model section must give every required ModelConfig field; the error says both
+  ways out (a config such as gsm8k_chat.py lists only hf_path and expects it on the command line)."""
+  missing = [f.name for f in dataclasses.fields(ModelConfig)
+             if f.default is dataclasses.MISSING and f.name not in model]
+  if missing:
+    raise ConfigError(f"config.model.hf_path is empty and config.model lacks {', '.join(missing)}: pass "
+                      "--config.model.hf_path=DIR (a Hugging Face checkpoint folder), or give those fields")
 
 
 def experiment_from_dict(config: Mapping[str, Any]) -> ExperimentConfig:
@@ -576,6 +609,7 @@ def experiment_from_dict(config: Mapping[str, Any]) -> ExperimentConfig:
   if source.get("hf_path"):
     model_cfg = _model_from_checkpoint(source["hf_path"], model)
   else:
+    _check_architecture_given(model)
     model_cfg = _from_mapping(ModelConfig, model, "config.model")
   kwargs = {"model": ModelSource(config=model_cfg, **source)}
   for name, sub in values.items():

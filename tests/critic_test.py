@@ -10,11 +10,11 @@ from rl_fusion_jax.config import MeshConfig
 from rl_fusion_jax.models import value_model as vm
 from rl_fusion_jax.sharding.mesh import make_mesh
 from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
+from rl_fusion_jax.testing.tiny import tiny_model_config
 from rl_fusion_jax.train import critic
 from rl_fusion_jax.train import state as state_lib
 
-CFG = models.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                         intermediate_size=64, qkv_bias=True, max_position_embeddings=64)
+CFG = tiny_model_config()
 B, T, PROMPT = 16, 10, 3
 
 # ----------------------------------------------------------------------------------------------------
@@ -120,7 +120,7 @@ def test_micro_batches_give_the_full_batch_update():
     np.testing.assert_allclose(float(m2[name]), float(m1[name]), rtol=1e-5, atol=1e-6, err_msg=name)
   moved = 0.0
   for a, b, p0 in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params), jax.tree.leaves(init)):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
     moved = max(moved, float(np.abs(np.asarray(a) - np.asarray(p0)).max()))
   assert moved > 1e-3
   # The body moved too (a random head passes gradient into it), not only the head.
@@ -134,7 +134,7 @@ def test_steps_reduce_the_loss_compile_once_and_keep_shardings():
   data = batch(0)
   assert np.array_equal(np.asarray(value_fn(state.params, data.tokens_bt)), np.zeros((B, T), np.float32))
   losses, explained = [], []
-  for i in range(16):
+  for i in range(20):
     data = data._replace(old_values_bt=value_fn(state.params, data.tokens_bt) * data.mask_bt)
     state, metrics = step(state, data)
     assert float(metrics["nonfinite"]) == 0.0
@@ -144,7 +144,7 @@ def test_steps_reduce_the_loss_compile_once_and_keep_shardings():
   # Values all 0 at first: Var(R - V) = Var(R), nothing explained; then most of the return's variance.
   assert explained[0] == 0.0 and explained[-1] > 0.5, explained
   assert step._cache_size() == 1 and value_fn._cache_size() == 1
-  assert int(state.step) == 16 and int(state.policy_version) == 0
+  assert int(state.step) == 20 and int(state.policy_version) == 0
   assert jax.tree.map(lambda x: x.sharding, state) == shardings
   values_bt = value_fn(state.params, data.tokens_bt)
   assert values_bt.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"), None)

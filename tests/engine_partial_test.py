@@ -7,14 +7,14 @@ import numpy as np
 
 from rl_fusion_jax import models
 from rl_fusion_jax.config import MeshConfig
+from rl_fusion_jax.rollout.decode import GenerateSpec
 from rl_fusion_jax.rollout.engine import Engine, EngineConfig, Request
-from rl_fusion_jax.rollout.generate import GenerateSpec
 from rl_fusion_jax.rollout.sampling import SamplingParams
 from rl_fusion_jax.sharding.mesh import make_mesh
 from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
+from rl_fusion_jax.testing.tiny import tiny_model_config
 
-CFG = models.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                         intermediate_size=64, qkv_bias=True, max_position_embeddings=64)
+CFG = tiny_model_config()
 P, N, B, EOS = 6, 10, 24, 20
 GREEDY, SAMPLED = SamplingParams(0.0), SamplingParams(1.0)
 

@@ -8,14 +8,14 @@ import pytest
 
 from rl_fusion_jax import models
 from rl_fusion_jax.config import MeshConfig
+from rl_fusion_jax.rollout.decode import GenerateSpec
 from rl_fusion_jax.rollout.engine import Engine, EngineConfig, Request
-from rl_fusion_jax.rollout.generate import GenerateSpec
 from rl_fusion_jax.rollout.sampling import SamplingParams
 from rl_fusion_jax.sharding.mesh import make_mesh
 from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
+from rl_fusion_jax.testing.tiny import tiny_model_config
 
-CFG = models.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                         intermediate_size=64, qkv_bias=True, max_position_embeddings=64)
+CFG = tiny_model_config()
 P, N, EOS = 6, 10, 20
 SPEC = GenerateSpec(CFG, SamplingParams(1.0), P, N, EOS)
 # 5 groups of 2 on 8 slots: 2 queued at the start. Group 0 ends first (run 1 stops there), sample 2 with
@@ -160,3 +160,35 @@ def test_finish_groups_waits_and_returns_every_complete_group():
   engine.add([Request(20, 9, [3])])                    # 1 of group_size=2 samples: can never complete
   with pytest.raises(ValueError, match="never complete"):
     engine.run(params(2), 9, target_groups=1, finish_groups=[9])
+
+
+def test_a_chunk_fetches_flags_and_finished_rows_not_the_slot_state(monkeypatch):
+  # Per chunk the host reads [S] flags and lengths and two counters; per-token data only as the packed
+  # rows [shards * K, 3T + 4] of slots that finished (K <= slots per shard), never a [S, T] field.
+  # The oldest version of each in-flight sample, kept on the host, equals the one in the slot state.
+  fetched = []
+  real_get = jax.device_get
+  monkeypatch.setattr(jax, "device_get", lambda x: fetched.append(jax.tree.leaves(x)) or real_get(x))
+  mesh_cfg = MeshConfig(data=2, fsdp=2, tensor=2)     # 4 batch shards of 2 slots
+  engine = make_engine(mesh_cfg=mesh_cfg)
+  engine.add(requests(FORCED))
+  for version in (0, 1):
+    engine.run(jax.device_put(params(version), setup(mesh_cfg)[1]), version, target_groups=1)
+  seq_len = SPEC.seq_len
+  shapes = [tuple(x.shape) for leaves in fetched for x in leaves]
+  assert (8, seq_len) not in shapes and any(s[1:] == (3 * seq_len + 4,) for s in shapes)
+  assert all(s in ((), (8,)) or (s[1:] == (3 * seq_len + 4,) and s[0] in (4, 8)) for s in shapes), shapes
+  monkeypatch.setattr(jax, "device_get", real_get)
+  host = jax.device_get(engine._state)
+  for s, request in enumerate(engine._occupant):
+    if request is not None:
+      start, length = int(host.prompt_len_s[s]), int(host.response_len_s[s])
+      oldest = int(host.version_st[s, start:start + length].min()) if length else None
+      assert engine._min_version_s[s] == oldest and length == engine._response_len_s[s]
+  assert engine.num_in_flight and {1, 0} & set(engine._min_version_s)
+  # The shard-local gather returns exactly the slot state's rows, in the order asked for.
+  slot_k = [7, 0, 5, 2, 3]     # shards 3, 0, 2, 1, 1 (2 slots each): the gather pads to 2 rows a shard
+  for s, row in zip(slot_k, engine._fetch_rows(slot_k)):
+    for name, value in row.items():
+      np.testing.assert_array_equal(value, getattr(host, name)[s], err_msg=name)
+      assert np.asarray(value).dtype == getattr(host, name).dtype, name

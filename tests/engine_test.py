@@ -9,14 +9,15 @@ import pytest
 from rl_fusion_jax import models
 from rl_fusion_jax.config import MeshConfig
 from rl_fusion_jax.rollout import slots
+from rl_fusion_jax.rollout.decode import GenerateSpec
 from rl_fusion_jax.rollout.engine import Engine, EngineConfig, Request
-from rl_fusion_jax.rollout.generate import GenerateSpec, Generator
 from rl_fusion_jax.rollout.sampling import SamplingParams
 from rl_fusion_jax.sharding.mesh import make_mesh
 from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
+from rl_fusion_jax.testing.reference_generator import Generator
+from rl_fusion_jax.testing.tiny import tiny_model_config
 
-CFG = models.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                         intermediate_size=64, qkv_bias=True, max_position_embeddings=64)
+CFG = tiny_model_config()
 P, N, B = 6, 10, 24
 GREEDY, SAMPLED = SamplingParams(0.0), SamplingParams(1.0)
 DATA8 = MeshConfig(data=-1)
@@ -132,23 +133,57 @@ def test_another_seed_gives_other_tokens():
   assert (out["tokens_bt"] != ref.tokens_bt).mean() > 0.3
 
 
-def test_no_recompiles_and_one_fetch_per_chunk(monkeypatch):
+def test_no_recompiles_and_fetches_per_chunk(monkeypatch):
+  # Per chunk one fetch of the small per-slot arrays, plus one of the finished rows when slots finished.
   fetches = []
   real_get = jax.device_get
   monkeypatch.setattr(jax, "device_get", lambda x: fetches.append(1) or real_get(x))
   toks, lens = prompts()
   forced = np.random.default_rng(4).integers(1, N + 1, size=B)
-  chunks = 0
+  chunks, gathers = 0, None
   for k, target, refill in ((1, 5, "continuous"), (4, None, "static"), (9, 2, "continuous")):
     engine = make_engine(SAMPLED, EOS, num_slots=8, chunk_steps=k, refill=refill)
+    gathers = engine._gather.fn._cache_size() if gathers is None else gathers   # shared by engines
     fetches.clear()
     _, results = run_all(engine, setup()[2], make_requests(toks, lens, forced), target_samples=target)
     chunks = sum(r.stats.get("decode_chunks", 0) for r in results)
-    assert len(fetches) == chunks > 0
+    row_fetches = sum(r.stats.get("row_fetches", 0) for r in results)
+    assert len(fetches) == chunks + row_fetches and 0 < row_fetches <= chunks
+  assert engine._gather.fn._cache_size() - gathers <= len(engine._gather.sizes)   # one per padded count
   programs = engine.programs
   assert programs.decode._cache_size() == 1
   assert all(fn._cache_size() <= 1 for fn in programs.prefill.values())
   assert programs.prefill[P]._cache_size() == 1
+
+
+def test_kv_cache_splits_heads_over_tensor():
+  # data=4 x tensor=2: the cache's slots split over data and its 2 KV heads over tensor (GENERATE_RULES),
+  # so each device holds 1 head of 2 of the 8 slots, 1/8 of the bytes; the tokens stay the Generator's.
+  mesh_cfg = MeshConfig(data=4, tensor=2)
+  ref = generator_reference(SAMPLED, EOS, mesh_cfg)
+  engine = make_engine(SAMPLED, EOS, num_slots=8, chunk_steps=3, mesh_cfg=mesh_cfg, keep_cache=True)
+  out, _ = run_all(engine, setup(mesh_cfg)[2], make_requests(*prompts()))
+  assert_same_as_generator(out, ref)
+  layers, num_slots, heads, width, head_dim = engine._cache["k"].shape
+  assert heads == CFG.num_kv_heads == 2
+  for x in engine._cache.values():
+    shards = x.addressable_shards
+    assert {s.data.shape for s in shards} == {(layers, num_slots // 4, heads // 2, width, head_dim)}
+    assert len({str(s.index) for s in shards}) == len(shards) == 8      # no two devices hold one piece
+    assert {s.data.nbytes for s in shards} == {x.nbytes // 8}
+  mesh, shardings, _ = setup(mesh_cfg)
+  gen = Generator(GenerateSpec(CFG, SAMPLED, P, N, EOS), mesh, shardings)
+  assert gen.cache_sharding == engine.programs.cache_sharding == engine._cache["v"].sharding
+
+
+def test_kv_heads_that_tensor_does_not_divide_fail_before_compiling():
+  cfg = tiny_model_config(hidden_size=24, num_heads=3, num_kv_heads=3)
+  mesh = make_mesh(MeshConfig(data=4, tensor=2))
+  # Parameters that replicate their heads, so that the cache is the first thing the tensor axis splits.
+  rules = tuple((name, None if name.endswith("heads") else axes) for name, axes in TRAIN_RULES)
+  shardings = param_shardings(models.abstract_params(cfg), models.param_logical_axes(cfg), mesh, rules)
+  with pytest.raises(ValueError, match=r"model.num_kv_heads=3 does not divide over mesh.tensor=2"):
+    Engine(EngineConfig(GenerateSpec(cfg, SAMPLED, P, N, EOS), num_slots=8), mesh, shardings)
 
 
 def test_short_prompts_prefill_at_their_own_width():

@@ -12,14 +12,14 @@ import pytest
 from rl_fusion_jax import models
 from rl_fusion_jax.config import MeshConfig
 from rl_fusion_jax.rollout import workload
+from rl_fusion_jax.rollout.decode import GenerateSpec
 from rl_fusion_jax.rollout.engine import Engine, EngineConfig
-from rl_fusion_jax.rollout.generate import GenerateSpec
 from rl_fusion_jax.rollout.sampling import SamplingParams
 from rl_fusion_jax.sharding.mesh import make_mesh
 from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
+from rl_fusion_jax.testing.tiny import tiny_model_config
 
-CFG = models.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                         intermediate_size=64, max_position_embeddings=64)
+CFG = tiny_model_config(qkv_bias=False)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

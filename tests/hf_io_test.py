@@ -61,8 +61,8 @@ def test_loaded_configs_and_dtypes():
   assert "lm_head" not in params and all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
   cfg, params = models.load_hf(_fixture("llama_gqa_f32"))
   assert (cfg.qkv_bias, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (False, 4, 2, 16)
-  assert params["layers_0"]["attn"]["q_proj"]["kernel"].shape == (32, 4, 16)
-  assert "bias" not in params["layers_0"]["attn"]["q_proj"]
+  assert params["layers"]["attn"]["q_proj"]["kernel"].shape == (cfg.num_layers, 32, 4, 16)
+  assert "bias" not in params["layers"]["attn"]["q_proj"]
   cfg, _ = models.load_hf(_fixture("llama3_rope"))
   assert dict(cfg.rope_scaling) == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -79,11 +79,11 @@ def test_hf_layout_of_heads():
   cfg, params = models.load_hf(_fixture("qwen2_f32"))
   hf = _tensors(_fixture("qwen2_f32"))
   q_w = hf["model.layers.1.self_attn.q_proj.weight"]
-  ours = np.asarray(params["layers_1"]["attn"]["q_proj"]["kernel"])
+  ours = np.asarray(params["layers"]["attn"]["q_proj"]["kernel"][1])
   n, h = 2, 5
   np.testing.assert_array_equal(ours[:, n, h], q_w[n * cfg.head_dim + h, :])
   o_w = hf["model.layers.1.self_attn.o_proj.weight"]  # [D, N*H]
-  np.testing.assert_array_equal(np.asarray(params["layers_1"]["attn"]["o_proj"]["kernel"])[n, h],
+  np.testing.assert_array_equal(np.asarray(params["layers"]["attn"]["o_proj"]["kernel"][1])[n, h],
                                 o_w[:, n * cfg.head_dim + h])
 
 
@@ -292,3 +292,44 @@ def test_fresh_transformers_models_and_export(tmp_path):
       ours = np.asarray(FORWARD(cfg, params, jnp.asarray(ref["tokens"])))
     theirs = gen.reference_logits(exported, ref["tokens"])
     assert np.abs(theirs - ours).max() < 1e-4, name
+
+
+def test_load_hf_into_fsdp_never_holds_more_than_the_shards_plus_one_leaf(tmp_path, monkeypatch):
+  """Each leaf goes from the file straight to its 8-way FSDP sharding (one ``reshard.move`` per leaf): at
+  every placement each device holds its shards of the leaves placed so far plus its shard of the current
+  one, never a whole leaf or the whole model on one device."""
+  import gc
+
+  from rl_fusion_jax.config import MeshConfig
+  from rl_fusion_jax.sharding import memory, reshard
+  from rl_fusion_jax.sharding.mesh import make_mesh
+  from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
+  from rl_fusion_jax.testing.tiny import tiny_model_config
+  cfg = tiny_model_config(hidden_size=64, intermediate_size=128, vocab_size=128)
+  models.save_hf(cfg, models.init_params(cfg, jax.random.key(3)), tmp_path / "ckpt")
+  mesh = make_mesh(MeshConfig(data=1, fsdp=8, tensor=1))
+  abstract = models.abstract_params(cfg)
+  shardings = param_shardings(abstract, models.param_logical_axes(cfg), mesh, TRAIN_RULES)
+  stats, real_move = [], reshard.move
+
+  def tracked_move(*args, **kwargs):
+    out = real_move(*args, **(kwargs | {"track_memory": True}))
+    stats.append(out[1])
+    return out
+
+  monkeypatch.setattr(reshard, "move", tracked_move)
+  gc.collect()
+  before = memory.per_device(memory.live_bytes())
+  _, params = models.load_hf(tmp_path / "ckpt", shardings)
+  # Per-device bytes from shapes and shardings alone (every device holds one shard of every leaf).
+  shard_bytes = [int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize
+                 for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings))]
+  final, largest = sum(shard_bytes), max(shard_bytes)
+  assert final < sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract)) // 4   # really split
+  assert len(stats) == len(shard_bytes)     # one move per leaf, each sampled
+  for move_stats in stats:
+    for d in range(8):
+      assert move_stats.peak_per_device[d] - before.get(d, 0) <= final + largest
+  _, host = models.load_hf(tmp_path / "ckpt")
+  for x, y, s in zip(jax.tree.leaves(params), jax.tree.leaves(host), jax.tree.leaves(shardings)):
+    assert x.sharding == s and np.array_equal(np.asarray(x), y)

@@ -6,14 +6,14 @@ import pytest
 from rl_fusion_jax import models
 from rl_fusion_jax.config import MeshConfig
 from rl_fusion_jax.orchestration.host_stages import VerifyStage
-from rl_fusion_jax.rollout.engine import Engine, EngineConfig, Request
-from rl_fusion_jax.rollout.generate import GenerateSpec
-from rl_fusion_jax.rollout.sampling import SamplingParams
 from rl_fusion_jax.rewards.base import score_batch
 from rl_fusion_jax.rewards.registry import make_task
-from rl_fusion_jax.tokenizer import load_tokenizer
+from rl_fusion_jax.rollout.decode import GenerateSpec
+from rl_fusion_jax.rollout.engine import Engine, EngineConfig, Request
+from rl_fusion_jax.rollout.sampling import SamplingParams
 from rl_fusion_jax.sharding.mesh import make_mesh
 from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
+from rl_fusion_jax.tokenizer import load_tokenizer
 from rl_fusion_jax.types import Rollout
 
 G = 2   # group size

@@ -15,7 +15,7 @@ CFG = models.ModelConfig(vocab_size=48, hidden_size=32, num_layers=2, num_heads=
                          intermediate_size=64, qkv_bias=True, rope_theta=10000.0)
 FORWARD = jax.jit(models.forward, static_argnums=0)
 CACHED = jax.jit(models.forward_with_cache, static_argnums=0, donate_argnums=4)
-AXIS_NAMES = {"vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "norm", None}
+AXIS_NAMES = {"vocab", "embed", "q_heads", "kv_heads", "head_dim", "mlp", "norm", "layers", None}
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_cache_is_written_in_the_layout_attention_reads(params):
     np.testing.assert_array_equal(written_bs, expected_bs)
   # The newest position's k equals the projection of that token computed without a cache.
   model = decoder.bind(CFG, params)
-  layer0 = next(model.blocks())
+  layer0 = model.layer(0)
   _, k_btkh, _ = layer0.attn.qkv(layer0.input_norm(model.embed_tokens(_tokens((2, 4), 6))), positions_bt)
   np.testing.assert_allclose(np.asarray(cache["k"][0, 1, :, 11]), np.asarray(k_btkh[1, 3]), atol=1e-6)
 
@@ -134,20 +134,20 @@ def test_param_logical_axes_match_params():
     assert jax.tree.structure(axes, is_leaf=is_axes) == jax.tree.structure(params)
     for names, leaf in zip(jax.tree.leaves(axes, is_leaf=is_axes), jax.tree.leaves(params)):
       assert len(names) == leaf.ndim and set(names) <= AXIS_NAMES
-  axes = models.param_logical_axes(CFG)["layers_1"]["attn"]
-  assert axes["q_proj"]["kernel"] == ("embed", "q_heads", "head_dim")
-  assert axes["k_proj"]["bias"] == ("kv_heads", "head_dim")
-  assert axes["o_proj"]["kernel"] == ("q_heads", "head_dim", "embed")
+  axes = models.param_logical_axes(CFG)["layers"]["attn"]
+  assert axes["q_proj"]["kernel"] == ("layers", "embed", "q_heads", "head_dim")
+  assert axes["k_proj"]["bias"] == ("layers", "kv_heads", "head_dim")
+  assert axes["o_proj"]["kernel"] == ("layers", "q_heads", "head_dim", "embed")
 
 
 def test_init_params_shapes_dtypes_and_values():
   cfg = models.ModelConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
                            intermediate_size=12, qkv_bias=True, param_dtype="bfloat16")
   params = models.init_params(cfg, jax.random.key(0), init_std=0.5)
-  assert set(params) == {"embed", "layers_0", "final_norm", "lm_head"}
-  attn = params["layers_0"]["attn"]
-  assert attn["q_proj"]["kernel"].shape == (8, 2, 4) and attn["k_proj"]["kernel"].shape == (8, 1, 4)
-  assert attn["o_proj"]["kernel"].shape == (2, 4, 8) and params["lm_head"]["kernel"].shape == (8, 16)
+  assert set(params) == {"embed", "layers", "final_norm", "lm_head"}
+  attn = params["layers"]["attn"]   # stacked over a leading layer axis
+  assert attn["q_proj"]["kernel"].shape == (1, 8, 2, 4) and attn["k_proj"]["kernel"].shape == (1, 8, 1, 4)
+  assert attn["o_proj"]["kernel"].shape == (1, 2, 4, 8) and params["lm_head"]["kernel"].shape == (8, 16)
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
   np.testing.assert_array_equal(np.asarray(attn["q_proj"]["bias"], np.float32), 0.0)
   np.testing.assert_array_equal(np.asarray(params["final_norm"]["scale"], np.float32), 1.0)
@@ -160,7 +160,7 @@ def test_init_params_shapes_dtypes_and_values():
 def test_forward_rejects_params_of_another_config(params):
   small = models.ModelConfig(vocab_size=48, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
                              intermediate_size=64, qkv_bias=True)
-  with pytest.raises(ValueError, match="layers_1"):
+  with pytest.raises(ValueError, match=r"\['layers'\].*expected \(1,"):
     models.forward(small, params, _tokens((1, 3), 6))
   bad = dict(params, lm_head={"kernel": jnp.zeros((32, 47))})
   with pytest.raises(ValueError, match=r"\['lm_head'\]\['kernel'\].*\(32, 47\)"):

@@ -13,14 +13,14 @@ from rl_fusion_jax import algorithms, models
 from rl_fusion_jax.config import AlgoConfig, MeshConfig
 from rl_fusion_jax.sharding.mesh import batch_shards, make_mesh
 from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
+from rl_fusion_jax.testing.tiny import tiny_model_config
 from rl_fusion_jax.train import packed_step, packing
 from rl_fusion_jax.train import state as state_lib
 from rl_fusion_jax.train import step as step_lib
 from rl_fusion_jax.train.logprobs import token_logprobs
 from rl_fusion_jax.types import TrainBatch
 
-CFG = models.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                         intermediate_size=64, qkv_bias=True, max_position_embeddings=64)
+CFG = tiny_model_config()
 B, T, WIDTH = 32, 12, 24
 # Packed and padded rows sum in different orders (and attend over different widths): float32 rounding.
 RTOL, ATOL = 1e-5, 1e-6

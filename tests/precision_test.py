@@ -14,14 +14,15 @@ import pytest
 from rl_fusion_jax import models
 from rl_fusion_jax.config import MeshConfig
 from rl_fusion_jax.models import layers
-from rl_fusion_jax.rollout.generate import GenerateSpec, Generator
+from rl_fusion_jax.rollout.decode import GenerateSpec
 from rl_fusion_jax.rollout.sampling import SamplingParams
 from rl_fusion_jax.sharding.mesh import make_mesh
 from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
+from rl_fusion_jax.testing.reference_generator import Generator
+from rl_fusion_jax.testing.tiny import tiny_model_config
 from rl_fusion_jax.train.logprobs import token_logprobs
 
-CFG = models.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                         intermediate_size=64, qkv_bias=True, max_position_embeddings=64)
+CFG = tiny_model_config()
 
 
 def _bf16_rounded(x) -> np.ndarray:
@@ -66,11 +67,12 @@ def test_bf16_matmul_runs_projections_in_bfloat16_and_the_rest_in_float32():
   tokens = jnp.zeros((2, 8), jnp.int32)
   dots = _dot_operand_dtypes(cfg, params, tokens)
   low = [d for d in dots if d[0] == ("bfloat16", "bfloat16")]
-  # 7 projections per layer (q, k, v, o, gate, up, down) and the lm head, each accumulating in float32.
-  assert len(low) == 7 * cfg.num_layers + 1 and all(out == "float32" for _, out in low)
+  # The scanned layer body traces once: 7 projections (q, k, v, o, gate, up, down), plus the lm head,
+  # each accumulating in float32.
+  assert len(low) == 7 + 1 and all(out == "float32" for _, out in low)
   # Attention scores and the probability-weighted sum stay float32.
   assert all(d[0] == ("float32", "float32") for d in dots if d not in low)
-  assert len(dots) == len(low) + 2 * cfg.num_layers
+  assert len(dots) == len(low) + 2
   f32_dots = _dot_operand_dtypes(CFG, params, tokens)
   assert all(d[0] == ("float32", "float32") for d in f32_dots)
 
@@ -107,3 +109,44 @@ def test_generation_logprobs_match_the_training_forward_under_bf16_matmul(mesh_c
   train_logp = np.asarray(jax.jit(lambda q, t: token_logprobs(cfg, q, t))(params, out.tokens_bt))
   np.testing.assert_allclose(out.logp_bt[:, p:], train_logp[:, p:], atol=1e-3)
   assert np.isfinite(out.logp_bt).all() and (out.logp_bt[:, p:] < 0).all()
+
+
+def test_micro_batch_gradients_accumulate_in_float32_for_bfloat16_params():
+  # Nine micro-batches: gradient 1.0, then eight of 0.001 each. bfloat16 (8-bit mantissa, spacing 2**-7 at
+  # 1.0) would round every 0.001 away and end at exactly 1.0; a float32 sum ends at 1.008, whose bfloat16
+  # rounding is 1.0078125.
+  from jax.sharding import Mesh
+  from rl_fusion_jax.train import step as step_lib
+  mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+  params = {"w": jnp.ones((), jnp.bfloat16)}
+  x = jnp.asarray([1.0] + [0.001] * 8, jnp.float32)
+
+  def loss_fn(p, x_b, weights_b):
+    loss = jnp.sum(p["w"].astype(jnp.float32) * x_b * weights_b)
+    return loss, {"loss": loss}
+
+  grads, sums = jax.jit(lambda p, x: step_lib._accumulate(loss_fn, p, x, jnp.ones_like(x), 9, mesh))(params, x)
+  assert grads["w"].dtype == jnp.bfloat16
+  assert float(grads["w"]) == float(jnp.bfloat16(1.008)) == 1.0078125
+  np.testing.assert_allclose(float(sums["loss"]), 1.008, rtol=1e-6)
+
+
+def test_bfloat16_generation_copy_generates_exactly_what_the_float32_masters_do():
+  # Under 'bfloat16' every weight is cast to bfloat16 before use, so the half-size generation copy the
+  # phase switch makes (ModelConfig.generation_dtype) must sample the same tokens with the same log-probs.
+  cfg = dataclasses.replace(CFG, dtype="bfloat16")
+  assert cfg.generation_dtype == jnp.bfloat16
+  assert dataclasses.replace(CFG, dtype="bf16_matmul").generation_dtype == jnp.float32
+  assert CFG.generation_dtype == jnp.float32
+  mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+  shardings = param_shardings(models.abstract_params(cfg), models.param_logical_axes(cfg), mesh, TRAIN_RULES)
+  masters = jax.device_put(models.init_params(cfg, jax.random.key(4)), shardings)
+  copy = jax.tree.map(lambda x: x.astype(jnp.bfloat16), masters)
+  p, n, b = 6, 10, 8
+  gen = Generator(GenerateSpec(cfg, SamplingParams(1.0), p, n, -1), mesh, shardings)
+  toks = jnp.asarray(np.random.default_rng(1).integers(3, 60, (b, p)), jnp.int32)
+  run = lambda params: jax.device_get(gen(params, toks, jnp.full((b,), p, jnp.int32),
+                                          jnp.arange(b, dtype=jnp.int32), jax.random.key(2), jnp.int32(0)))
+  a, c = run(masters), run(copy)
+  np.testing.assert_array_equal(a.tokens_bt, c.tokens_bt)
+  np.testing.assert_array_equal(a.logp_bt, c.logp_bt)

@@ -6,7 +6,9 @@ from jax.sharding import PartitionSpec as P
 
 from rl_fusion_jax.config import MeshConfig
 from rl_fusion_jax.sharding.mesh import make_mesh
-from rl_fusion_jax.sharding.rules import GENERATE_RULES, TRAIN_RULES, logical_to_spec, param_shardings
+from rl_fusion_jax.sharding.rules import (GENERATE_RULES, TRAIN_RULES, cache_sharding, logical_to_spec,
+                                          param_shardings)
+from rl_fusion_jax.testing.tiny import tiny_model_config
 
 
 def test_mesh_resolves_minus_one():
@@ -60,3 +62,18 @@ def test_param_shardings_and_divisibility():
   bad = {"w": jax.ShapeDtypeStruct((6, 6), np.float32), "n": abstract["n"]}
   with pytest.raises(ValueError, match=r"\['w'\] dimension 0 \(size 6"):
     param_shardings(bad, axes, mesh, TRAIN_RULES)
+
+
+@pytest.mark.parametrize("rules", [TRAIN_RULES, GENERATE_RULES], ids=["train", "generate"])
+def test_kv_cache_rows_over_batch_axes_heads_over_tensor(rules):
+  # [L, B, K, S, H]: every device holds its own rows and its own half of the KV heads (no replicas).
+  mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+  assert cache_sharding(tiny_model_config(), mesh, rules).spec == P(None, ("data", "fsdp"), "tensor",
+                                                                     None, None)
+
+
+def test_kv_heads_that_tensor_does_not_divide_fail_naming_both_fields():
+  mesh = make_mesh(MeshConfig(data=4, tensor=2))
+  cfg = tiny_model_config(num_heads=3, num_kv_heads=3, hidden_size=24)
+  with pytest.raises(ValueError, match=r"model.num_kv_heads=3 does not divide over mesh.tensor=2"):
+    cache_sharding(cfg, mesh, GENERATE_RULES)

@@ -222,6 +222,46 @@ def test_hf_unknown_token_and_small_vocab_raise(tmp_path, bpe):
     HFTokenizer.from_file(path, eos_token="</s>", vocab_size=10)
 
 
+def test_hf_generation_config_eos_ids(tmp_path, bpe):
+  path = _write(tmp_path, bpe, config={"pad_token": "<pad>"})
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 1]}))
+  hf = HFTokenizer.from_file(path)  # No eos in the tokenizer configs: generation_config's first one.
+  assert (hf.eos_id, hf.eos_ids, hf.pad_id) == (2, (2, 1), 0)
+  _write(tmp_path, bpe, config={"eos_token": "<s>"})
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+  hf = HFTokenizer.from_file(path)  # The tokenizer's own eos comes first.
+  assert (hf.eos_id, hf.eos_ids) == (1, (1, 2))
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+  with pytest.raises(ValueError, match=r"generation_config\.json: eos_token_id must be"):
+    HFTokenizer.from_file(path)
+
+
+def test_hf_added_tokens_decoder_adds_missing_tokens_at_their_ids(tmp_path, bpe):
+  size = bpe.get_vocab_size(with_added_tokens=True)
+  decoder = {"2": {"content": "</s>", "special": True}, str(size): {"content": "<|im_end|>", "special": True}}
+  path = _write(tmp_path, bpe, config={"eos_token": "<|im_end|>", "added_tokens_decoder": decoder})
+  hf = HFTokenizer.from_file(path)
+  assert hf.eos_id == size and hf.vocab_size == size + 1
+  assert hf.encode("hi<|im_end|>")[-1] == size  # Matched as one token inside text.
+  decoder = {str(size + 5): {"content": "<|im_end|>", "special": True}}
+  _write(tmp_path, bpe, config={"eos_token": "</s>", "added_tokens_decoder": decoder})
+  message = (rf"tokenizer_config\.json: added_tokens_decoder declares '<\|im_end\|>' as id {size + 5}, "
+             rf"but the tokenizer file gives it id {size}")
+  with pytest.raises(ValueError, match=message):
+    HFTokenizer.from_file(path)
+
+
+def test_hf_template_sees_the_special_tokens(tmp_path, bpe):
+  config = {"eos_token": "</s>", "bos_token": {"content": "<s>"}, "unk_token": None,
+            "additional_special_tokens": ["<pad>"],
+            "chat_template": "{{ bos_token }}|{{ eos_token }}|{{ additional_special_tokens[0] }}|"
+                             "{{ unk_token }}"}
+  hf = HFTokenizer.from_file(_write(tmp_path, bpe, config=config))
+  user = [{"role": "user", "content": "x"}]
+  assert hf.apply_chat_template(user) == "<s>|</s>|<pad>|"  # unk_token unset: renders as nothing.
+  assert pickle.loads(pickle.dumps(hf)).apply_chat_template(user) == "<s>|</s>|<pad>|"
+
+
 # ----------------------------------------------------------------------------------------------------
 # load_tokenizer
 # ----------------------------------------------------------------------------------------------------

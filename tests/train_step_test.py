@@ -11,13 +11,13 @@ from rl_fusion_jax import models
 from rl_fusion_jax.config import AlgoConfig, MeshConfig, OptimConfig
 from rl_fusion_jax.sharding.mesh import make_mesh
 from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
+from rl_fusion_jax.testing.tiny import tiny_model_config
 from rl_fusion_jax.train import state as state_lib
 from rl_fusion_jax.train import step as step_lib
 from rl_fusion_jax.train.logprobs import token_logprobs
 from rl_fusion_jax.types import TrainBatch
 
-CFG = models.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                         intermediate_size=64, qkv_bias=True, max_position_embeddings=64)
+CFG = tiny_model_config()
 B, T, PROMPT = 32, 12, 4
 
 

@@ -19,9 +19,9 @@ from rl_fusion_jax import models
 from rl_fusion_jax.models import reward_model as rm
 from rl_fusion_jax.models import value_model as vm
 from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
+from rl_fusion_jax.testing.tiny import tiny_model_config
 
-CFG = models.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                         intermediate_size=48, qkv_bias=True, model_type="qwen2")
+CFG = tiny_model_config(intermediate_size=48, max_position_embeddings=2048)
 VALUES = jax.jit(vm.values, static_argnums=0)
 HIDDEN = jax.jit(rm.hidden_states, static_argnums=0)
 B, T = 3, 9

@@ -28,7 +28,10 @@ def model(vocab_size=128, hidden=128, layers=4, heads=4, kv_heads=2, mlp=384):
       model_type="qwen2", vocab_size=vocab_size, hidden_size=hidden, num_layers=layers, num_heads=heads,
       num_kv_heads=kv_heads, intermediate_size=mlp, qkv_bias=True, tie_word_embeddings=True,
       max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6, dtype="bf16_matmul",
-      param_dtype="float32", init_std=0.02, hf_path=""))
+      param_dtype="float32", init_std=0.02, hf_path="",
+      # A tiny model on CPU: layers fully unrolled (faster than a rolled scan here, and compile time is
+      # small at 4 layers), no remat, one lm-head chunk per micro-batch.
+      remat="none", scan_unroll=layers, logits_chunk=8192))
 
 
 def get_config(arg: str = ""):
@@ -37,11 +40,11 @@ def get_config(arg: str = ""):
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, cpu_devices=0))
   c.fusion = ml_collections.ConfigDict(dict(
       mode="colocated", rollout_fraction=0.5, aux_devices=1, bucket_bytes=64 << 20,
-      offload_optimizer=True, memory_every=10, train_rules=(), generate_rules=()))
+      offload_optimizer=True, memory_every=0, train_rules=(), generate_rules=()))
   c.task = ml_collections.ConfigDict(dict(
       name="arithmetic", kwargs=dict(min_digits=1, max_digits=2, ops="+-"), tokenizer="char",
       eval_seed=10_000, eval_problems=512, eval_samples=8, pass_k=8, reward_model="", reward_model_weight=1.0,
-      verify_workers=1))
+      verify_workers=1, prompt_format="plain", system_prompt=""))
   c.rollout = ml_collections.ConfigDict(dict(
       num_prompts=16, group_size=8, max_prompt_len=8, max_new_tokens=6, temperature=1.0, top_k=0,
       top_p=1.0, num_slots=0, chunk_steps=16))

@@ -8,8 +8,9 @@ same seed (tested):
   ``to_phase`` reshards the actor from the training layout to the generation layout and offloads the
   optimizer state to host memory; after generating it reverses both. Reference and reward models stay
   on the devices.
-* :class:`FullyColocated` (``full``): colocated, and the reference and reward models rest in host memory,
-  copied to the devices only for the forward pass that needs them and deleted right after.
+* :class:`FullyColocated` (``full``): colocated, and the reference and reward models rest in host memory
+  (placed there directly, never first on the devices), copied to the devices bucket by bucket only for
+  the forward pass that needs them and deleted right after.
 * :class:`Hybrid` (``hybrid``): the actor colocated on most devices; the reference and reward models live
   on a small separate device group (``fusion.aux_devices``) and score there. Their programs are
   dispatched before the host verifies the responses, so the aux group computes while the host works;
@@ -19,10 +20,12 @@ same seed (tested):
   generation layout (``rollout_params``).
 
 Auxiliary models (reference, reward) always run on ``aux_mesh``: the training mesh except in hybrid.
+Every move of parameters here goes through ``sharding/reshard.py`` (``to_phase``, ``move``, ``release``)
+and reports the same statistics (bytes, buckets, seconds; live-memory peaks on the switches that sample
+memory, ``fusion.memory_every``).
 """
 from __future__ import annotations
 
-import time
 from typing import ClassVar
 
 import jax
@@ -66,7 +69,7 @@ class Deployment:
     self.layouts, self.rollout_param_shardings = layouts, rollout_param_shardings
     self.bucket_bytes, self.offload_optimizer = bucket_bytes, offload_optimizer
     self.memory_every = memory_every
-    self._switches = {reshard.Phase.GENERATE: 0, reshard.Phase.TRAIN: 0}
+    self._moves: dict = {}   # move kind -> count so far (memory sampling schedule)
     self.train_rules, self.generate_rules = train_rules, generate_rules
     self.groups = self._groups()
 
@@ -81,11 +84,11 @@ class Deployment:
 
   # --- actor ---------------------------------------------------------------------------------------
 
-  def _track_memory(self, phase) -> bool:
-    """Whether this switch samples live memory: the first of each direction, then every
-    ``memory_every``-th (``fusion.memory_every``; 0: never)."""
-    count = self._switches[phase]
-    self._switches[phase] = count + 1
+  def track_memory(self, kind) -> bool:
+    """Whether this move of ``kind`` (a Phase, or a name like ``'publish'``) samples live memory: the
+    first of each kind, then every ``memory_every``-th (``fusion.memory_every``; 0: never). Counts it."""
+    count = self._moves.get(kind, 0)
+    self._moves[kind] = count + 1
     return self.memory_every > 0 and count % self.memory_every == 0
 
   def to_generation(self, state):
@@ -93,7 +96,7 @@ class Deployment:
     state, stats = reshard.to_phase(state, reshard.Phase.GENERATE, layouts=self.layouts,
                                     bucket_bytes=self.bucket_bytes,
                                     offload_optimizer=self.offload_optimizer,
-                                    track_memory=self._track_memory(reshard.Phase.GENERATE))
+                                    track_memory=self.track_memory(reshard.Phase.GENERATE))
     return state, state.params, stats.as_metrics("switch/to_generate/")
 
   def to_training(self, state):
@@ -101,7 +104,7 @@ class Deployment:
     state, stats = reshard.to_phase(state, reshard.Phase.TRAIN, layouts=self.layouts,
                                     bucket_bytes=self.bucket_bytes,
                                     offload_optimizer=self.offload_optimizer,
-                                    track_memory=self._track_memory(reshard.Phase.TRAIN))
+                                    track_memory=self.track_memory(reshard.Phase.TRAIN))
     return state, stats.as_metrics("switch/to_train/")
 
   def publish(self, params) -> dict[str, float]:
@@ -115,23 +118,31 @@ class Deployment:
     """Shardings of an auxiliary model's params on ``aux_mesh`` (training rule table)."""
     return param_shardings(abstract_params, logical_axes, self.aux_mesh, self.train_rules)
 
-  def place_aux(self, params, shardings):
+  def place_aux(self, params, shardings, *, keep_source: bool = False):
     """Moves an auxiliary model to where it rests between uses: ``shardings`` (on ``aux_mesh``, from
-    ``aux_param_shardings``), in host memory for ``full``. The source arrays are deleted."""
+    ``aux_param_shardings``), in host memory for ``full`` -> the resting params.
+
+    ``params``: device arrays, or host numpy arrays (a checkpoint), which go straight to the resting
+    memory kind. Moved device sources are deleted unless ``keep_source`` (then the result is a copy,
+    made bucket by bucket: e.g. the reference taken from the live policy)."""
     shardings = jax.tree.map(self._resting, shardings)
-    return reshard.move(params, shardings, bucket_bytes=self.bucket_bytes, name="aux")[0]
+    return reshard.move(params, shardings, bucket_bytes=self.bucket_bytes, name="aux",
+                        keep_source=keep_source)[0]
 
   def _resting(self, sharding):
     return sharding
 
-  def fetch_aux(self, resting):
-    """Device params for one use: the resident params themselves (``full`` copies them in)."""
-    return resting
+  def fetch_aux(self, resting, name: str = "aux"):
+    """Device params for one use -> (params, metrics): the resident params themselves and no metrics
+    (``full`` copies them in and reports the move under ``aux/{name}/fetch/``)."""
+    del name
+    return resting, {}
 
-  def release_aux(self, fetched, used_by=None) -> None:
-    """Ends one use of ``fetch_aux``'s result; ``full`` waits for ``used_by`` (the outputs computed
-    from it), then deletes the device copy."""
-    del fetched, used_by
+  def release_aux(self, fetched, used_by=None, name: str = "aux") -> dict[str, float]:
+    """Ends one use of ``fetch_aux``'s result -> metrics; ``full`` waits for ``used_by`` (the outputs
+    computed from it), then deletes the device copy (reported under ``aux/{name}/release/``)."""
+    del fetched, used_by, name
+    return {}
 
 
 class Colocated(Deployment):
@@ -144,13 +155,17 @@ class FullyColocated(Colocated):
   def _resting(self, sharding):
     return sharding.with_memory_kind(reshard.HOST)
 
-  def fetch_aux(self, resting):
+  def fetch_aux(self, resting, name: str = "aux"):
+    """A device copy of the host-resting params, bucket by bucket (the host copy stays)."""
     on_device = jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), resting)
-    return jax.tree.map(jax.device_put, resting, on_device)
+    kind = f"aux/{name}/fetch/"
+    fetched, stats = reshard.move(resting, on_device, bucket_bytes=self.bucket_bytes, name=name,
+                                  keep_source=True, track_memory=self.track_memory(kind))
+    return fetched, stats.as_metrics(kind)
 
-  def release_aux(self, fetched, used_by=None) -> None:
-    jax.block_until_ready(used_by)
-    jax.tree.map(lambda x: x.delete(), fetched)
+  def release_aux(self, fetched, used_by=None, name: str = "aux") -> dict[str, float]:
+    kind = f"aux/{name}/release/"
+    return reshard.release(fetched, used_by=used_by, track_memory=self.track_memory(kind)).as_metrics(kind)
 
 
 class Hybrid(Colocated):
@@ -179,15 +194,19 @@ class Separated(Deployment):
     return state, {}
 
   def publish(self, params) -> dict[str, float]:
-    """Sends a copy of the new weights to the rollout mesh (bucketed) and frees the previous copy."""
-    start = time.perf_counter()
-    copy = jax.tree.map(lambda x: x.copy(), params)   # the training side keeps its own
-    old = self.rollout_params
-    self.rollout_params, nbytes = reshard.move(copy, self.rollout_param_shardings,
-                                               bucket_bytes=self.bucket_bytes, name="params")
-    if old is not None:
-      jax.tree.map(lambda x: x.delete(), old)
-    return {"sync/seconds": time.perf_counter() - start, "sync/bytes": float(nbytes)}
+    """Frees the rollout mesh's previous copy, then sends the new weights there bucket by bucket
+    (``reshard.move`` with ``keep_source``: the training side keeps its own and no whole-tree copy is
+    made, so the rollout devices hold at most one copy and the training devices nothing extra) ->
+    ``sync/*`` metrics (``MoveStats.as_metrics``; seconds include freeing the old copy)."""
+    old, self.rollout_params = self.rollout_params, None
+    freed = reshard.release(old) if old is not None else None
+    self.rollout_params, stats = reshard.move(params, self.rollout_param_shardings,
+                                              bucket_bytes=self.bucket_bytes, name="params", keep_source=True,
+                                              track_memory=self.track_memory("publish"),
+                                              dtype=self.layouts.generate_dtype)
+    metrics = stats.as_metrics("sync/")
+    metrics["sync/seconds"] += freed.seconds if freed is not None else 0.0
+    return metrics
 
 
 MODES: dict[str, type[Deployment]] = {c.mode: c for c in (Colocated, FullyColocated, Hybrid, Separated)}
@@ -213,7 +232,8 @@ def make_deployment(cfg: ExperimentConfig, abstract_params, logical_axes, tx,
     train_mesh = rollout_mesh = aux_mesh = mesh_lib.make_mesh(cfg.mesh, devices)
   try:
     layouts = reshard.make_layouts(train_mesh, abstract_params, logical_axes, tx,
-                                   train_rules=train_rules, generate_rules=generate_rules)
+                                   train_rules=train_rules, generate_rules=generate_rules,
+                                   generate_dtype=cfg.model.config.generation_dtype)
     rollout_shardings = (param_shardings(abstract_params, logical_axes, rollout_mesh, generate_rules)
                          if f.mode == "separated" else layouts.params[reshard.Phase.GENERATE])
   except ValueError as e:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -19,7 +19,8 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from rl_fusion_jax.models.config import ModelConfig
-from rl_fusion_jax.models.layers import F32, DecoderLayer, RMSNorm, make_param, mixed_matmul
+from rl_fusion_jax.models.layers import (F32, PROJ_NAME, DecoderLayer, RMSNorm, make_param,
+                                          mixed_matmul)
 
 Params = dict[str, Any]
 
@@ -36,49 +37,94 @@ class LMHead(nnx.Module):
     self.kernel = make_param(rngs, "normal", shape, ("embed", "vocab"), cfg.weight_dtype, init_std)
 
 
+# `ModelConfig.remat` -> the checkpoint policy of one scanned layer (None: no rematerialization).
+REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+                  "matmuls": jax.checkpoint_policies.save_only_these_names(PROJ_NAME)}
+
+
+def _stacked_layers(cfg: ModelConfig, init_std: float, rngs: nnx.Rngs) -> DecoderLayer:
+  """`num_layers` blocks as one module whose params carry a leading 'layers' axis (logical name too)."""
+  @nnx.split_rngs(splits=cfg.num_layers)
+  @nnx.vmap(in_axes=0, out_axes=0, axis_size=cfg.num_layers,
+            transform_metadata={nnx.PARTITION_NAME: "layers"})
+  def make(rngs):
+    return DecoderLayer(cfg, init_std=init_std, rngs=rngs)
+  return make(rngs)
+
+
 class Decoder(nnx.Module):
-  """Token embedding, `num_layers` blocks (attributes `layers_0`, `layers_1`, ...), final norm, lm head.
+  """Token embedding, `num_layers` blocks stacked in `layers` (run by `lax.scan`), final norm, lm head.
 
   With `tie_word_embeddings` there is no `lm_head`: logits use the embedding transposed.
   """
 
   def __init__(self, cfg: ModelConfig, *, init_std: float = 0.02, rngs: nnx.Rngs):
-    self.num_layers = cfg.num_layers
+    self.num_layers, self.remat, self.scan_unroll = cfg.num_layers, cfg.remat, cfg.scan_unroll
     self.dtype, self.matmul_dtype = cfg.compute_dtype, cfg.matmul_dtype
     self.embed = Embed(cfg, init_std=init_std, rngs=rngs)
-    for i in range(cfg.num_layers):
-      setattr(self, f"layers_{i}", DecoderLayer(cfg, init_std=init_std, rngs=rngs))
+    self.layers = _stacked_layers(cfg, init_std, rngs)
     self.final_norm = RMSNorm(cfg, rngs=rngs)
     if not cfg.tie_word_embeddings:
       self.lm_head = LMHead(cfg, init_std=init_std, rngs=rngs)
 
-  def blocks(self) -> Iterator[DecoderLayer]:
-    return (getattr(self, f"layers_{i}") for i in range(self.num_layers))
+  def scan_layers(self, step: Callable[[DecoderLayer, Any, jax.Array], Any], carry: Any, *,
+                  differentiable: bool = True) -> Any:
+    """Folds `carry = step(layer_i, carry, i)` over the layers with `lax.scan` (one traced layer;
+    `scan_unroll` layers per loop iteration).
+
+    Where the result is differentiated, each layer is rematerialized under the `remat` policy;
+    `differentiable=False` (cached decoding) skips the checkpoint wrapper.
+    """
+    graphdef, state = nnx.split(self.layers)
+
+    def body(carry, xs):
+      layer_state, index = xs
+      return step(nnx.merge(graphdef, layer_state), carry, index), None
+
+    policy = REMAT_POLICIES[self.remat]
+    if differentiable and self.remat != "none":
+      body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    carry, _ = jax.lax.scan(body, carry, (state, jnp.arange(self.num_layers, dtype=jnp.int32)),
+                            unroll=min(self.scan_unroll, self.num_layers))
+    return carry
+
+  def layer(self, index: int) -> DecoderLayer:
+    """Block `index` on its own (its slice of the stacked params), e.g. to inspect one layer."""
+    graphdef, state = nnx.split(self.layers)
+    return nnx.merge(graphdef, jax.tree.map(lambda x: x[index], state))
 
   def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
     # Gather first, then cast: never materializes a converted copy of the whole table.
     return jnp.take(self.embed.embedding[...], tokens_bt, axis=0).astype(self.dtype)
 
-  def logits(self, x_btd: jax.Array) -> jax.Array:
-    """Final norm and lm head; float32 logits whatever the compute dtype."""
-    x_btd = self.final_norm(x_btd)
+  def hidden(self, tokens_bt, positions_bt, mask_btt) -> jax.Array:
+    """The final-norm hidden states [B, T, D] in the compute dtype (what the lm head reads)."""
+    x_btd = self.embed_tokens(tokens_bt)
+    x_btd = self.scan_layers(lambda layer, x, _: layer(x, positions_bt, mask_btt), x_btd)
+    return self.final_norm(x_btd)
+
+  def head(self, x_nd: jax.Array) -> jax.Array:
+    """Float32 logits [..., V] of final-norm hidden states [..., D], whatever the compute dtype."""
+    lead, d = x_nd.shape[:-1], x_nd.shape[-1]
+    x_md = x_nd.reshape(-1, d)
     if self.matmul_dtype != self.dtype:   # 'bf16_matmul': low-precision inputs, float32 accumulation
       kernel_dv = (self.lm_head.kernel[...] if hasattr(self, "lm_head")
                    else self.embed.embedding[...].astype(self.matmul_dtype).T)
-      b, t, d = x_btd.shape
-      logits_mv = mixed_matmul(x_btd.reshape(b * t, d), kernel_dv, self.matmul_dtype.name)
-      return logits_mv.reshape(b, t, -1)
-    if hasattr(self, "lm_head"):
-      return jnp.einsum("BTD,DV->BTV", x_btd, self.lm_head.kernel[...].astype(self.dtype),
-                        preferred_element_type=F32)
-    return jnp.einsum("BTD,VD->BTV", x_btd, self.embed.embedding[...].astype(self.dtype),
-                      preferred_element_type=F32)
+      logits_mv = mixed_matmul(x_md, kernel_dv, self.matmul_dtype.name)
+    elif hasattr(self, "lm_head"):
+      logits_mv = jnp.einsum("MD,DV->MV", x_md, self.lm_head.kernel[...].astype(self.dtype),
+                             preferred_element_type=F32)
+    else:
+      logits_mv = jnp.einsum("MD,VD->MV", x_md, self.embed.embedding[...].astype(self.dtype),
+                             preferred_element_type=F32)
+    return logits_mv.reshape(lead + (-1,))
+
+  def logits(self, x_btd: jax.Array) -> jax.Array:
+    """Final norm and lm head; float32 logits whatever the compute dtype."""
+    return self.head(self.final_norm(x_btd))
 
   def __call__(self, tokens_bt, positions_bt, mask_btt):
-    x_btd = self.embed_tokens(tokens_bt)
-    for block in self.blocks():
-      x_btd = block(x_btd, positions_bt, mask_btt)
-    return self.logits(x_btd)
+    return self.head(self.hidden(tokens_bt, positions_bt, mask_btt))
 
 
 @functools.lru_cache(maxsize=64)
@@ -236,3 +282,14 @@ def forward(cfg: ModelConfig, params: Params, tokens_bt: Int[Array, "B T"], *,
     positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
   model = bind(cfg, params)
   return model(tokens_bt, positions_bt, attention_mask(positions_bt, segment_ids_bt))
+
+
+def hidden(cfg: ModelConfig, params: Params, tokens_bt: Int[Array, "B T"], *,
+           positions_bt: Int[Array, "B T"] | None = None,
+           segment_ids_bt: Int[Array, "B T"] | None = None) -> Float[Array, "B T D"]:
+  """`forward` up to the lm head: final-norm hidden states [B, T, D] in the compute dtype."""
+  _check_tokens(tokens_bt, positions_bt=positions_bt, segment_ids_bt=segment_ids_bt)
+  if positions_bt is None:
+    positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
+  model = bind(cfg, params)
+  return model.hidden(tokens_bt, positions_bt, attention_mask(positions_bt, segment_ids_bt))

@@ -8,6 +8,7 @@ a crash never leaves a half-written checkpoint behind.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -16,7 +17,6 @@ import tempfile
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from safetensors import safe_open
@@ -26,24 +26,25 @@ from rl_fusion_jax.models.config import ModelConfig
 from rl_fusion_jax.models.decoder import (Params, abstract_params, check_params, flatten, path_str,
                                           unflatten)
 
-# (our path, HF name, layout). `{i}` is the layer index. Layouts:
+# (our path, HF name, layout). Paths under "layers" are stacked over a leading layer axis: their HF
+# tensors are one per layer, `{i}` the layer index. Layouts (of one layer's slice):
 #   same:     identical arrays              linear:  ours [in, out]  <-> HF [out, in]
 #   in_heads: ours [D, N, H] <-> HF [N*H, D] out_heads: ours [N, H, D] <-> HF [D, N*H]
 #   bias:     ours [N, H]    <-> HF [N*H]
 HF_NAMES = (
     (("embed", "embedding"), "model.embed_tokens.weight", "same"),
-    (("layers_{i}", "input_norm", "scale"), "model.layers.{i}.input_layernorm.weight", "same"),
-    (("layers_{i}", "attn", "q_proj", "kernel"), "model.layers.{i}.self_attn.q_proj.weight", "in_heads"),
-    (("layers_{i}", "attn", "q_proj", "bias"), "model.layers.{i}.self_attn.q_proj.bias", "bias"),
-    (("layers_{i}", "attn", "k_proj", "kernel"), "model.layers.{i}.self_attn.k_proj.weight", "in_heads"),
-    (("layers_{i}", "attn", "k_proj", "bias"), "model.layers.{i}.self_attn.k_proj.bias", "bias"),
-    (("layers_{i}", "attn", "v_proj", "kernel"), "model.layers.{i}.self_attn.v_proj.weight", "in_heads"),
-    (("layers_{i}", "attn", "v_proj", "bias"), "model.layers.{i}.self_attn.v_proj.bias", "bias"),
-    (("layers_{i}", "attn", "o_proj", "kernel"), "model.layers.{i}.self_attn.o_proj.weight", "out_heads"),
-    (("layers_{i}", "post_attn_norm", "scale"), "model.layers.{i}.post_attention_layernorm.weight", "same"),
-    (("layers_{i}", "mlp", "gate_proj", "kernel"), "model.layers.{i}.mlp.gate_proj.weight", "linear"),
-    (("layers_{i}", "mlp", "up_proj", "kernel"), "model.layers.{i}.mlp.up_proj.weight", "linear"),
-    (("layers_{i}", "mlp", "down_proj", "kernel"), "model.layers.{i}.mlp.down_proj.weight", "linear"),
+    (("layers", "input_norm", "scale"), "model.layers.{i}.input_layernorm.weight", "same"),
+    (("layers", "attn", "q_proj", "kernel"), "model.layers.{i}.self_attn.q_proj.weight", "in_heads"),
+    (("layers", "attn", "q_proj", "bias"), "model.layers.{i}.self_attn.q_proj.bias", "bias"),
+    (("layers", "attn", "k_proj", "kernel"), "model.layers.{i}.self_attn.k_proj.weight", "in_heads"),
+    (("layers", "attn", "k_proj", "bias"), "model.layers.{i}.self_attn.k_proj.bias", "bias"),
+    (("layers", "attn", "v_proj", "kernel"), "model.layers.{i}.self_attn.v_proj.weight", "in_heads"),
+    (("layers", "attn", "v_proj", "bias"), "model.layers.{i}.self_attn.v_proj.bias", "bias"),
+    (("layers", "attn", "o_proj", "kernel"), "model.layers.{i}.self_attn.o_proj.weight", "out_heads"),
+    (("layers", "post_attn_norm", "scale"), "model.layers.{i}.post_attention_layernorm.weight", "same"),
+    (("layers", "mlp", "gate_proj", "kernel"), "model.layers.{i}.mlp.gate_proj.weight", "linear"),
+    (("layers", "mlp", "up_proj", "kernel"), "model.layers.{i}.mlp.up_proj.weight", "linear"),
+    (("layers", "mlp", "down_proj", "kernel"), "model.layers.{i}.mlp.down_proj.weight", "linear"),
     (("final_norm", "scale"), "model.norm.weight", "same"),
     (("lm_head", "kernel"), "lm_head.weight", "linear"),
 )
@@ -51,16 +52,61 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a derived buffer older checkpoint
 NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
-def name_map(cfg: ModelConfig) -> dict[tuple, tuple[str, str]]:
-  """our path -> (HF name, layout), for exactly the params this config has."""
+@dataclasses.dataclass(frozen=True)
+class LeafNames:
+  """The HF tensors of one of our params: one name, or one per layer for a stacked (`layers`) param."""
+  hf_names: tuple[str, ...]
+  layout: str
+  stacked: bool
+
+
+def name_map(cfg: ModelConfig) -> dict[tuple, LeafNames]:
+  """our path -> its HF tensor names and layout, for exactly the params this config has."""
   present = {path for path, _ in flatten(abstract_params(cfg))}
   rows = {}
   for path, hf_name, layout in HF_NAMES:
-    for i in range(cfg.num_layers) if "{i}" in hf_name else [None]:
-      ours = tuple(p.format(i=i) for p in path)
-      if ours in present:
-        rows[ours] = (hf_name.format(i=i), layout)
+    if path in present:
+      stacked = "{i}" in hf_name
+      names = tuple(hf_name.format(i=i) for i in range(cfg.num_layers)) if stacked else (hf_name,)
+      rows[path] = LeafNames(names, layout, stacked)
   return rows
+
+
+def export_leaf(x: np.ndarray, leaf: LeafNames, np_dtype) -> dict[str, np.ndarray]:
+  """HF name -> contiguous host array in HF layout, for our host array `x` of one param."""
+  slices = list(x) if leaf.stacked else [x]
+  return {name: np.ascontiguousarray(to_hf_layout(part.astype(np_dtype), leaf.layout))
+          for name, part in zip(leaf.hf_names, slices)}
+
+
+def tensor_shape(file: str, name: str) -> tuple[int, ...]:
+  """Shape of tensor `name` in safetensors `file`, from the header alone (no data is read)."""
+  with safe_open(file, framework="numpy") as f:
+    return tuple(f.get_slice(name).get_shape())
+
+
+def check_leaf(where: dict[str, str], leaf: LeafNames, shape: tuple[int, ...], path: str,
+               ours: str) -> None:
+  """Raises naming the file and tensor when one of `leaf`'s tensors is missing or mis-shaped."""
+  want = hf_shape(leaf.layout, shape[1:] if leaf.stacked else shape)
+  for hf_name in leaf.hf_names:
+    if hf_name not in where:
+      raise ValueError(f"{path}: missing tensor '{hf_name}' (for {ours})")
+    got = tensor_shape(where[hf_name], hf_name)
+    if got != want:
+      raise ValueError(f"{where[hf_name]}: tensor '{hf_name}' has shape {got}, expected {want} "
+                       f"from {os.path.join(path, 'config.json')}")
+
+
+def import_leaf(where: dict[str, str], leaf: LeafNames, shape: tuple[int, ...], np_dtype) -> np.ndarray:
+  """Our host array (`shape`, `np_dtype`) of one param, read tensor by tensor (shapes already checked)."""
+  if not leaf.stacked:
+    x = read_tensor(where[leaf.hf_names[0]], leaf.hf_names[0])
+    return from_hf_layout(x, leaf.layout, shape).astype(np_dtype)
+  out = np.empty(shape, np_dtype)
+  for i, hf_name in enumerate(leaf.hf_names):   # one layer at a time: never a second stacked copy
+    out[i] = from_hf_layout(read_tensor(where[hf_name], hf_name), leaf.layout, shape[1:])
+  return out
 
 
 def to_hf_layout(x: np.ndarray, layout: str) -> np.ndarray:
@@ -170,28 +216,56 @@ def _check_leftovers(cfg: ModelConfig, where: dict[str, str], used: set[str]) ->
                      f"({len(extra)} in total) for model_type {cfg.model_type!r}")
 
 
-def load_hf(path: str | os.PathLike) -> tuple[ModelConfig, Params]:
-  """Reads config.json and all safetensors (single or sharded) into (cfg, params in cfg.param_dtype).
+def check_checkpoint(path: str | os.PathLike) -> ModelConfig:
+  """Validates folder `path` from config.json and the safetensors headers alone (no tensor data read).
 
-  Arrays are returned on the default device; place them with the phase shardings afterwards.
+  Returns its `ModelConfig`; a missing, unexpected or mis-shaped tensor raises naming the file and tensor.
   """
   path = os.fspath(path)
   cfg = read_config(path)
+  _checked_locations(cfg, path)
+  return cfg
+
+
+def _checked_locations(cfg: ModelConfig, path: str) -> dict[str, str]:
   where = tensor_locations(weight_files(path))
   names = name_map(cfg)
-  _check_leftovers(cfg, where, {hf_name for hf_name, _ in names.values()})
+  _check_leftovers(cfg, where, {n for leaf in names.values() for n in leaf.hf_names})
   shapes = dict(flatten(abstract_params(cfg)))
+  for ours, leaf in names.items():
+    check_leaf(where, leaf, shapes[ours].shape, path, path_str(ours))
+  return where
+
+
+def load_hf(path: str | os.PathLike, shardings: Any = None) -> tuple[ModelConfig, Params]:
+  """Reads config.json and all safetensors (single or sharded) into (cfg, params in cfg.param_dtype).
+
+  Every tensor's name and shape is checked from the file headers before any data is read. Then params
+  are read one at a time (a stacked layer param one layer at a time into its host array). Without
+  `shardings` they are returned as host numpy arrays. With `shardings` (a `NamedSharding` per param,
+  same structure as the params) each host array goes straight to its sharding, every device receiving
+  only its own shard, and is dropped before the next is read: the devices never hold more than the
+  placed params, and the host one param.
+  """
+  path = os.fspath(path)
+  cfg = read_config(path)
+  where = _checked_locations(cfg, path)
+  shapes = dict(flatten(abstract_params(cfg)))
+  targets = None
+  if shardings is not None:
+    targets = dict(flatten(shardings))
+    if targets.keys() != shapes.keys():
+      raise ValueError(f"shardings: structure differs from the params of {path}/config.json")
+  from rl_fusion_jax.sharding import reshard  # deferred: sharding imports the model package
   flat = {}
-  for ours, (hf_name, layout) in names.items():
-    if hf_name not in where:
-      raise ValueError(f"{path}: missing tensor '{hf_name}' (for {path_str(ours)})")
-    x = read_tensor(where[hf_name], hf_name)
-    want = hf_shape(layout, shapes[ours].shape)
-    if x.shape != want:
-      raise ValueError(f"{where[hf_name]}: tensor '{hf_name}' has shape {x.shape}, expected {want} "
-                       f"from {os.path.join(path, 'config.json')}")
-    flat[ours] = from_hf_layout(x, layout, shapes[ours].shape).astype(NP_DTYPES[cfg.param_dtype])
-  return cfg, unflatten({k: jnp.asarray(v) for k, v in flat.items()})
+  for ours, leaf in name_map(cfg).items():
+    host = import_leaf(where, leaf, shapes[ours].shape, NP_DTYPES[cfg.param_dtype])
+    if targets is None:
+      flat[ours] = host
+    else:   # one leaf is one bucket: each device receives only its shard of it
+      (flat[ours],), _ = reshard.move([host], [targets[ours]], bucket_bytes=max(host.nbytes, 1), name=path_str(ours))
+    del host
+  return cfg, unflatten({p: flat[p] for p in shapes})
 
 
 # ----------------------------------------------------------------------------------------------- saving
@@ -208,9 +282,8 @@ def save_hf(cfg: ModelConfig, params: Params, path: str | os.PathLike, *, dtype:
   np_dtype = NP_DTYPES[hf_config["dtype"]]
   tensors = {}
   given = dict(flatten(params))
-  for ours, (hf_name, layout) in name_map(cfg).items():
-    x = np.asarray(jax.device_get(given[ours])).astype(np_dtype)
-    tensors[hf_name] = np.ascontiguousarray(to_hf_layout(x, layout))
+  for ours, leaf in name_map(cfg).items():
+    tensors.update(export_leaf(np.asarray(jax.device_get(given[ours])), leaf, np_dtype))
   parent = os.path.dirname(path)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)

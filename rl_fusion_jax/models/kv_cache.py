@@ -4,6 +4,8 @@
 each), so it shards, donates and offloads like any pytree. Each layer's slice [B, K, S, H] is the layout
 attention reads (batch and kv head outermost, positions then head dim), so a decode step reads the cache
 without transposing it. Shapes never change, so each generation program compiles once.
+Like the parameters, the cache carries logical axis names (`cache_logical_axes`), and the rule tables in
+`rl_fusion_jax.sharding.rules` decide its layout (`rules.cache_sharding`); this module never places it.
 This module never allocates a second cache: writes are scatters into the (donated) input buffers, batched
 over the rows (`layers.write_rows`), so a cache sharded over B is written shard-locally.
 """
@@ -17,6 +19,16 @@ from rl_fusion_jax.models.config import DTYPES, ModelConfig
 from rl_fusion_jax.models.decoder import Params, _check_tokens, bind
 
 KVCache = dict[str, jax.Array]
+
+
+def cache_logical_axes() -> tuple[str, ...]:
+  """Logical names of the dimensions of `cache['k']` and `cache['v']` ([L, B, K, S, H]).
+
+  The layer and head-dim names are those of the stacked parameters; 'kv_heads' is also the name of the
+  k/v projections' head axis, so a rule table splits the cache's heads exactly like the projections that
+  write them.
+  """
+  return ("layers", "cache_batch", "kv_heads", "cache_seq", "head_dim")
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
@@ -61,6 +73,11 @@ def forward_with_cache(cfg: ModelConfig, params: Params, tokens_bt: Int[Array, "
   mask_bts = jnp.arange(max_len)[None, None, :] <= positions_bt[:, :, None]
   model = bind(cfg, params)
   x_btd = model.embed_tokens(tokens_bt)
-  for layer, block in enumerate(model.blocks()):
-    x_btd, cache = block.with_cache(x_btd, positions_bt, mask_bts, cache, layer, write_bt)
+
+  def step(layer, carry, index):
+    x_btd, cache = carry
+    return layer.with_cache(x_btd, positions_bt, mask_bts, cache, index, write_bt)
+
+  # The cache rides in the scan carry, so each layer's writes update the (donated) buffers in place.
+  x_btd, cache = model.scan_layers(step, (x_btd, cache), differentiable=False)
   return model.logits(x_btd), cache

@@ -15,10 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from rl_fusion_jax.models.config import ModelConfig
 
 F32 = jnp.float32
+# Name of every projection matmul's output (`jax.ad_checkpoint.checkpoint_name`): the remat policy
+# 'matmuls' saves exactly these.
+PROJ_NAME = "proj"
 
 
 INITIALIZERS = {"zeros": lambda std: nnx.initializers.zeros, "ones": lambda std: nnx.initializers.ones,
@@ -165,7 +169,7 @@ class Projection(nnx.Module):
       y = jnp.dot(rows_mk.astype(dtype), kernel_kn.astype(dtype))
     else:
       y = mixed_matmul(rows_mk, kernel_kn, jnp.dtype(matmul_dtype).name).astype(dtype)
-    y = y.reshape((b * t,) + kernel.shape[n_in:])
+    y = checkpoint_name(y, PROJ_NAME).reshape((b * t,) + kernel.shape[n_in:])
     if hasattr(self, "bias"):
       y = y + self.bias[...].astype(dtype)
     return y.reshape((b, t) + y.shape[1:])
@@ -253,8 +257,9 @@ class DecoderLayer(nnx.Module):
     x_btd = x_btd + self.attn.out(attend(q_btnh, k_btkh, v_btkh, mask_btt))
     return x_btd + self.mlp(self.post_attn_norm(x_btd))
 
-  def with_cache(self, x_btd, positions_bt, mask_bts, cache, layer: int, write_bt):
-    """Like `__call__`, reading and writing layer `layer` of `cache` ({'k','v'}: [L,B,K,S,H])."""
+  def with_cache(self, x_btd, positions_bt, mask_bts, cache, layer, write_bt):
+    """Like `__call__`, reading and writing layer `layer` (an int or a traced scalar) of `cache`
+    ({'k','v'}: [L,B,K,S,H])."""
     q_btnh, k_btkh, v_btkh = self.attn.qkv(self.input_norm(x_btd), positions_bt)
     cache = {name: write_rows(cache[name], layer, write_bt, new)
              for name, new in (("k", k_btkh), ("v", v_btkh))}
@@ -264,7 +269,7 @@ class DecoderLayer(nnx.Module):
     return x_btd + self.mlp(self.post_attn_norm(x_btd)), cache
 
 
-def write_rows(cache_lbksh: jax.Array, layer: int, write_bt: jax.Array, new_btkh: jax.Array) -> jax.Array:
+def write_rows(cache_lbksh: jax.Array, layer, write_bt: jax.Array, new_btkh: jax.Array) -> jax.Array:
   """Scatters new_btkh[b, t] to cache[layer, b, :, write_bt[b, t]]; out-of-range indices are dropped.
 
   B is a batching dimension of the scatter (row b of the updates only ever goes to cache row b), so with

@@ -91,11 +91,7 @@ def hidden_states(cfg: ModelConfig, params: RewardParams, tokens_bt: Int[Array, 
   """The body's final-norm hidden states [B, T, D] in the compute dtype (what the head reads)."""
   model = decoder.bind(body_config(cfg), params["body"])
   positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
-  mask_btt = decoder.attention_mask(positions_bt, None)
-  x_btd = model.embed_tokens(tokens_bt)
-  for block in model.blocks():
-    x_btd = block(x_btd, positions_bt, mask_btt)
-  return model.final_norm(x_btd)
+  return model.hidden(tokens_bt, positions_bt, decoder.attention_mask(positions_bt, None))
 
 
 def last_token(x_btd: jax.Array, lengths_b: jax.Array) -> jax.Array:
@@ -164,11 +160,11 @@ def reward_hf_dict(cfg: ModelConfig, *, dtype: str | None = None) -> dict[str, A
 def hf_tensors(cfg: ModelConfig, params: dict[str, Any], heads: HeadTensors, np_dtype) -> dict[str, np.ndarray]:
   """HF name -> host array in HF layout and `np_dtype`, for the body and the `heads` entries of the score."""
   body = dict(decoder.flatten(params["body"]))
-  rows = [(hf_name, body[ours], layout) for ours, (hf_name, layout) in hf_io.name_map(body_config(cfg)).items()]
-  rows += [(hf_name, params["score"][key], layout) for hf_name, (key, layout, _) in heads.items()]
   tensors = {}
-  for hf_name, x, layout in rows:
-    x = np.asarray(jax.device_get(x)).astype(np_dtype)
+  for ours, leaf in hf_io.name_map(body_config(cfg)).items():
+    tensors.update(hf_io.export_leaf(np.asarray(jax.device_get(body[ours])), leaf, np_dtype))
+  for hf_name, (key, layout, _) in heads.items():
+    x = np.asarray(jax.device_get(params["score"][key])).astype(np_dtype)
     tensors[hf_name] = np.ascontiguousarray(hf_io.to_hf_layout(x, layout))
   return tensors
 
@@ -229,48 +225,35 @@ def read_reward_config(path: str) -> ModelConfig:
   return read_classifier_config(path, ARCHITECTURES, "reward model")
 
 
-def _expected_tensors(cfg: ModelConfig, heads: HeadTensors) -> dict[str, tuple[tuple | str, str, tuple[int, ...]]]:
-  """HF name -> (our body path, or the head's key as a str, layout, our shape)."""
-  shapes = {path: leaf.shape for path, leaf in decoder.flatten(decoder.abstract_params(body_config(cfg)))}
-  rows = {hf_name: (ours, layout, shapes[ours])
-          for ours, (hf_name, layout) in hf_io.name_map(body_config(cfg)).items()}
-  rows.update(heads)
-  return rows
-
-
 def read_checkpoint(path: str, cfg: ModelConfig, heads: HeadTensors) -> dict[str, Any]:
-  """`{"body": ..., "score": {...}}` in cfg.param_dtype from the weight files of folder `path`.
+  """`{"body": ..., "score": {...}}` in cfg.param_dtype (host numpy) from the weight files of folder `path`.
 
-  A tensor whose shape does not match `cfg`, a missing tensor or an unexpected one raises ValueError
-  naming the file and tensor.
+  Names and shapes are checked from the file headers before any data is read: a tensor whose shape does
+  not match `cfg`, a missing tensor or an unexpected one raises ValueError naming the file and tensor.
   """
-  # pylint: disable=protected-access
   where = hf_io.tensor_locations(hf_io.weight_files(path))
-  expected = _expected_tensors(cfg, heads)
-  extra = sorted(n for n in where.keys() - expected.keys() if not n.endswith(hf_io.IGNORED_SUFFIXES))
+  body_names = hf_io.name_map(body_config(cfg))
+  expected = {n for leaf in body_names.values() for n in leaf.hf_names} | set(heads)
+  extra = sorted(n for n in where.keys() - expected if not n.endswith(hf_io.IGNORED_SUFFIXES))
   if extra:
     raise ValueError(f"{where[extra[0]]}: unexpected tensors {extra[:5]} ({len(extra)} in total)")
-  body, head = {}, {}
-  for hf_name, (ours, layout, shape) in expected.items():
-    if hf_name not in where:
-      raise ValueError(f"{path}: missing tensor '{hf_name}'")
-    x = hf_io.read_tensor(where[hf_name], hf_name)
-    want = hf_io.hf_shape(layout, shape)
-    if x.shape != want:
-      raise ValueError(f"{where[hf_name]}: tensor '{hf_name}' has shape {x.shape}, expected {want} "
-                       f"from {os.path.join(path, 'config.json')}")
-    x = jnp.asarray(hf_io.from_hf_layout(x, layout, shape).astype(hf_io.NP_DTYPES[cfg.param_dtype]))
-    if isinstance(ours, str):
-      head[ours] = x
-    else:
-      body[ours] = x
+  shapes = {p: leaf.shape for p, leaf in decoder.flatten(decoder.abstract_params(body_config(cfg)))}
+  head_leaves = {key: (hf_io.LeafNames((hf_name,), layout, False), shape)
+                 for hf_name, (key, layout, shape) in heads.items()}
+  for ours, leaf in body_names.items():
+    hf_io.check_leaf(where, leaf, shapes[ours], path, decoder.path_str(ours))
+  for key, (leaf, shape) in head_leaves.items():
+    hf_io.check_leaf(where, leaf, shape, path, f"params['score'][{key!r}]")
+  np_dtype = hf_io.NP_DTYPES[cfg.param_dtype]
+  body = {ours: hf_io.import_leaf(where, leaf, shapes[ours], np_dtype) for ours, leaf in body_names.items()}
+  head = {key: hf_io.import_leaf(where, leaf, shape, np_dtype) for key, (leaf, shape) in head_leaves.items()}
   return {"body": decoder.unflatten(body), "score": head}
 
 
 def load_reward_model(path: str | os.PathLike) -> tuple[ModelConfig, RewardParams]:
   """Reads a checkpoint written by `save_reward_model` (or transformers, single or sharded).
 
-  Returns (cfg, params in cfg.param_dtype) on the default device. A tensor whose shape does not match
+  Returns (cfg, params in cfg.param_dtype) as host numpy arrays. A tensor whose shape does not match
   config.json, a missing tensor or an unexpected one raises ValueError naming the file and tensor.
   """
   path = os.fspath(path)

@@ -158,7 +158,7 @@ def read_value_config(path: str) -> ModelConfig:
 def load_value_model(path: str | os.PathLike) -> tuple[ModelConfig, ValueParams]:
   """Reads a checkpoint written by `save_value_model` (or transformers, single or sharded).
 
-  Returns (cfg, params in cfg.param_dtype) on the default device. A tensor whose shape does not match
+  Returns (cfg, params in cfg.param_dtype) as host numpy arrays. A tensor whose shape does not match
   config.json, a missing tensor or an unexpected one raises ValueError naming the file and tensor.
   """
   path = os.fspath(path)

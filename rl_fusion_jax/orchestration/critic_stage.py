@@ -12,12 +12,13 @@ where the deployment says (``park`` before the generation phase, ``unpark`` afte
   on the devices for the train phase, and stay there through evaluation and checkpointing).
 * ``separated``: the training side never generates, so nothing moves.
 
-Moves are bucketed (``reshard.move``, ``fusion.bucket_bytes``): never two full copies of a tree.
+Moves are bucketed (``reshard.move``, ``fusion.bucket_bytes``): never two full copies of a tree. Each
+park / unpark reports like a phase switch (``MoveStats.as_metrics``): ``critic/park/*`` and
+``critic/unpark/*`` (bytes, buckets, seconds; live-memory peaks when ``fusion.memory_every`` samples).
 """
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp
@@ -76,8 +77,9 @@ class CriticStage:
     self.parked = False
 
   def restore(self, params, opt_state, step) -> None:
-    self.state = state_lib.TrainState(step=step, params=params, opt_state=opt_state,
-                                      policy_version=jnp.int32(0))
+    # The unused version counter goes where the update expects it (the update runs under a transfer guard).
+    version = jax.device_put(jnp.int32(0), self.placement.state_shardings.policy_version)
+    self.state = state_lib.TrainState(step=step, params=params, opt_state=opt_state, policy_version=version)
     self.parked = False
 
   # --- residency ------------------------------------------------------------------------------------
@@ -89,35 +91,33 @@ class CriticStage:
       return {"params": False, "opt_state": False}
     return {"params": mode == "full", "opt_state": self.deployment.offload_optimizer}
 
-  def _move(self, memory_kind: str) -> dict[str, float]:
-    start, moved = time.perf_counter(), 0
+  def _move(self, memory_kind: str, kind: str) -> dict[str, float]:
+    """Moves the resting fields to ``memory_kind`` in one bucketed ``reshard.move`` -> metrics under
+    ``kind`` (e.g. ``critic/park/``)."""
     fields = {"params": self.placement.param_shardings, "opt_state": self.placement.state_shardings.opt_state}
-    state = self.state
-    for name, on_host in self._resting().items():
-      if not on_host:
-        continue
-      dst = jax.tree.map(lambda s: s.with_memory_kind(memory_kind), fields[name])
-      tree, nbytes = reshard.move(getattr(state, name), dst, bucket_bytes=self.deployment.bucket_bytes,
-                                  name=f"critic.{name}")
-      state, moved = state.replace(**{name: tree}), moved + nbytes
-    self.state = state
-    return {"seconds": time.perf_counter() - start, "bytes": float(moved)}
+    names = [name for name, on_host in self._resting().items() if on_host]
+    dst = {name: jax.tree.map(lambda s: s.with_memory_kind(memory_kind), fields[name]) for name in names}
+    moved, stats = reshard.move({name: getattr(self.state, name) for name in names}, dst,
+                                bucket_bytes=self.deployment.bucket_bytes, name="critic",
+                                track_memory=self.deployment.track_memory(kind))
+    self.state = self.state.replace(**moved)
+    return stats.as_metrics(kind)
 
   def park(self) -> dict[str, float]:
-    """Before generating: the resting fields go to host memory."""
+    """Before generating: the resting fields go to host memory -> ``critic/park/*`` metrics."""
     if self.parked:
       return {}
-    m = self._move(reshard.HOST)
+    m = self._move(reshard.HOST, "critic/park/")
     self.parked = True
-    return {f"critic/park_{k}": v for k, v in m.items()}
+    return m
 
   def unpark(self) -> dict[str, float]:
-    """Before the train phase: everything back on the devices."""
+    """Before the train phase: everything back on the devices -> ``critic/unpark/*`` metrics."""
     if not self.parked:
       return {}
-    m = self._move("device")
+    m = self._move("device", "critic/unpark/")
     self.parked = False
-    return {f"critic/unpark_{k}": v for k, v in m.items()}
+    return m
 
   # --- programs -------------------------------------------------------------------------------------
 

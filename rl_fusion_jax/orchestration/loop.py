@@ -159,6 +159,7 @@ def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ck
   # 4. Resume the RL loop, or warm up (continuing a warm-up checkpoint) and evaluate the start.
   if meta:
     state, ref = _state_from(restored.items), restored.items.get("ref_params")
+    ref_resting = d.place_aux(ref, programs.ref_param_shardings) if ref is not None else None
     start, before, last_eval = int(meta["step"]), meta["eval_before"], meta.get("last_eval")
     data_position = int(meta["data_position"])
     programs.deployment.publish(state.params)
@@ -166,14 +167,13 @@ def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ck
       c = restored.items["critic"]
       programs.critic.restore(c["params"], c["opt_state"], c["step"])
   else:
-    state, ref, before = _warm_start(setup, programs, restored, warm_ckpt, timeline, evaluate)
+    state, ref_resting, before = _warm_start(setup, programs, restored, warm_ckpt, timeline, evaluate)
     start, data_position, last_eval = 0, 0, {"step": 0, **before}
     writer.write(0, {f"eval/{k}": v for k, v in before.items()})
-  ref_resting = d.place_aux(ref, programs.ref_param_shardings) if ref is not None else None
 
   def save(step: int):
     with timeline.phase("checkpoint", group=d.train_group, step=step):
-      ref_now = d.fetch_aux(ref_resting) if ref_resting is not None else None
+      ref_now = d.fetch_aux(ref_resting, "reference")[0] if ref_resting is not None else None
       critic = programs.critic.state if programs.critic is not None else None
       rl_ckpt.save(step, _state_items(state, ref_now, critic), {
           "kind": "rl", "step": step, "seed": cfg.run.seed, "config": resume.plain_config(cfg),
@@ -183,7 +183,7 @@ def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ck
           host=schedule.state_dict() if schedule is not None else None)
       if ref_now is not None and ref_now is not ref_resting:
         rl_ckpt.wait()   # a fetched device copy of a host-resident reference is released after the save
-        d.release_aux(ref_now)
+        d.release_aux(ref_now, name="reference")
 
   if not meta:
     save(0)   # the warmed-up start: a resume never redoes the warm-up or the first evaluation
@@ -221,7 +221,8 @@ def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ck
 
 def _warm_start(setup: Setup, programs: Programs, restored, warm_ckpt, timeline: Timeline,
                 evaluate: _Evaluator):
-  """Warm-up (continued from its checkpoint when there is one) and the evaluation of the start."""
+  """Warm-up (continued from its checkpoint when there is one) and the evaluation of the start ->
+  (state, resting reference or None, evaluation)."""
   cfg, d = setup.cfg, programs.deployment
   guard = DivergenceGuard(cfg.run, "warm-up", **(restored.meta.get("guard", {}) if restored else {}))
   warm_state = _state_from(restored.items) if restored is not None else None
@@ -234,7 +235,10 @@ def _warm_start(setup: Setup, programs: Programs, restored, warm_ckpt, timeline:
   with timeline.phase("warmup", group=d.train_group):
     params = phases.init_policy(setup, programs) if warm_state is None else None
     params = phases.warmup(setup, programs, params, state=warm_state, save=save, guard=guard)
-  ref = jax.tree.map(jnp.copy, params) if cfg.algo.needs_reference else None
+  # The reference: a copy of the warmed-up policy made bucket by bucket where it rests (host memory in
+  # ``full``, the aux mesh in ``hybrid``), never a whole device copy first.
+  ref = (d.place_aux(params, programs.ref_param_shardings, keep_source=True) if cfg.algo.needs_reference
+         else None)
   if programs.critic is not None:
     programs.critic.start(params, setup.critic_params)   # the warmed-up body with a zero head, or critic.init
   state = state_lib.create_train_state(params, programs.tx, programs.state_shardings)

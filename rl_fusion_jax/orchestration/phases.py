@@ -165,20 +165,22 @@ class _AuxCall:
   """One forward pass of an auxiliary model dispatched on the aux mesh without waiting for it.
 
   ``result()`` blocks, releases the fetched params and records the interval from dispatch to the moment
-  the output was ready (observed by a waiter thread) on the timeline under the aux group.
+  the output was ready (observed by a waiter thread) on the timeline under the aux group. ``metrics``:
+  the deployment's fetch and release figures (``aux/{name}/fetch/*``, ``.../release/*``; none where the
+  model stays on the devices), complete once ``result()`` returned.
   """
 
   def __init__(self, name: str, programs: Programs, timeline: Timeline, step: int, fn, resting, *args):
     d = programs.deployment
     self.name, self.d, self.timeline, self.step = name, d, timeline, step
     self.start = timeline.now()
-    self.params = d.fetch_aux(resting)
+    self.params, self.metrics = d.fetch_aux(resting, name)
     self.out = fn(self.params, *args)
     self._ready = _WAITER.submit(lambda out: (jax.block_until_ready(out), timeline.now())[1], self.out)
 
   def result(self):
     end = self._ready.result()
-    self.d.release_aux(self.params, used_by=self.out)
+    self.metrics |= self.d.release_aux(self.params, used_by=self.out, name=self.name)
     self.timeline.record(self.name, self.start, end, group=self.d.aux_group, step=self.step)
     return self.out
 
@@ -195,7 +197,8 @@ def _on_aux(programs: Programs, on_train_mesh, host):
 
 
 def kv_cache_bytes(cfg) -> int:
-  """Bytes of the engine's KV cache (all devices), allocated after the switch and freed before training."""
+  """Bytes of the engine's KV cache summed over the rollout devices (each holds an equal, distinct share:
+  slots split over data x fsdp, KV heads over tensor), allocated after the switch, freed before training."""
   m, r = cfg.model.config, cfg.rollout
   itemsize = np.dtype(m.compute_dtype).itemsize
   return 2 * m.num_layers * r.slots * r.seq_len * m.num_kv_heads * m.head_dim * itemsize
@@ -229,6 +232,14 @@ def generation_phase(programs: Programs, state, step: int, timeline: Timeline, r
   return state, result, metrics
 
 
+def guarded_update(update, *args):
+  """``update(*args)`` under ``jax.transfer_guard("disallow")``: every input must already be a device array
+  with the update's sharding (put there explicitly, e.g. by ``jax.device_put``, before the call), so a
+  hidden host round trip or implicit reshard inside the update raises instead of slowing every step."""
+  with jax.transfer_guard("disallow"):
+    return update(*args)
+
+
 def _packed_update(setup: Setup, programs: Programs, state, rollout: Rollout, batch):
   """The update on packed rows: the assembled batch is fetched, packed on the host by the samples' real
   lengths (first-fit decreasing into rows of ``seq_len``, row count bucketed) and sent shard by shard."""
@@ -238,7 +249,8 @@ def _packed_update(setup: Setup, programs: Programs, state, rollout: Rollout, ba
   packed = packing.pack_batch(layout, tokens_bt=host.tokens_bt, mask_bt=host.mask_bt,
                               advantages_bt=host.advantages_bt, behaviour_logp_bt=host.behaviour_logp_bt,
                               ref_logp_bt=host.ref_logp_bt, version_bt=host.version_bt)
-  state, train_metrics = programs.packed_step(state, packed_step.device_batch(programs.mesh, packed))
+  state, train_metrics = guarded_update(programs.packed_step, state,
+                                        packed_step.device_batch(programs.mesh, packed))
   stats = {"pack/rows": float(layout.num_rows), "pack/rows_used": float(layout.rows_used),
            "pack/padding_frac": float(1 - lengths.sum() / (layout.num_rows * layout.width))}
   return state, train_metrics, stats
@@ -322,12 +334,13 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
     if rm_call is not None:
       rm_b = np.asarray(rm_call.result())
       rewards = (rewards + cfg.task.reward_model_weight * rm_b).astype(np.float32)
-      metrics["reward_model_score"] = float(rm_b.mean())
+      metrics |= rm_call.metrics | {"reward_model_score": float(rm_b.mean())}
     metrics["reward"] = float(rewards.mean())
   reward_s = time.perf_counter() - t0
   t0 = time.perf_counter()
   if ref_call is not None:
     ref_logp = ref_call.result()
+    metrics |= ref_call.metrics
     if programs.aux_mesh is not programs.mesh:
       ref_logp = jax.device_put(ref_logp, device_rollout.logp_bt.sharding)
   else:
@@ -341,7 +354,7 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
     else:
       batch, batch_stats, returns_bt = programs.assemble(device_rollout, rewards_dev, ref_logp, values_bt)
     if programs.packed_step is None:
-      state, train_metrics = programs.train_step(state, batch)
+      state, train_metrics = guarded_update(programs.train_step, state, batch)
     else:
       state, train_metrics, pack_stats = _packed_update(setup, programs, state, rollout, batch)
       metrics |= pack_stats
@@ -351,7 +364,7 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
     with timeline.phase("critic", group=d.train_group, step=step):
       t0 = time.perf_counter()
       critic_batch = critic_lib.CriticBatch(batch.tokens_bt, batch.mask_bt, values_bt, returns_bt)
-      metrics |= {k: float(v) for k, v in jax.device_get(critic.update(critic_batch)).items()}
+      metrics |= {k: float(v) for k, v in jax.device_get(guarded_update(critic.update, critic_batch)).items()}
       metrics["critic_s"] = time.perf_counter() - t0
   with timeline.phase("publish", group=d.train_group, step=step):
     metrics |= d.publish(state.params)

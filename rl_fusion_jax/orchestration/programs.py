@@ -27,7 +27,7 @@ from rl_fusion_jax.orchestration import critic_stage
 from rl_fusion_jax.orchestration.host_stages import VerifyStage
 from rl_fusion_jax.orchestration.setup import Setup
 from rl_fusion_jax.rollout.engine import Engine, EngineConfig
-from rl_fusion_jax.rollout.generate import GenerateSpec
+from rl_fusion_jax.rollout.decode import GenerateSpec
 from rl_fusion_jax.rollout.sampling import SamplingParams
 from rl_fusion_jax.sharding import mesh as mesh_lib
 from rl_fusion_jax.train import packed_step, packing
@@ -137,7 +137,8 @@ class Programs:
     self.engine.on_finished = self.verify.submit
 
   def _reward_model(self, setup: Setup):
-    """(score fn, resting params) of the learned reward model on the training mesh, or None."""
+    """(score fn, resting params) of the learned reward model on the aux mesh, or None. The host params
+    go straight to where they rest (``place_aux``: host memory in ``full``, never first on the devices)."""
     if setup.reward_model is None:
       return None
     rm_cfg, host_params = setup.reward_model
@@ -147,7 +148,7 @@ class Programs:
     b1, b2 = mesh_lib.batch_sharding(d.aux_mesh, 1), mesh_lib.batch_sharding(d.aux_mesh, 2)
     fn = jax.jit(functools.partial(reward_model.score, rm_cfg), in_shardings=(shardings, b2, b1),
                  out_shardings=b1)
-    return fn, d.place_aux(jax.device_put(host_params, shardings), shardings)
+    return fn, d.place_aux(host_params, shardings)
 
 
 def _eval_slots(cfg: ExperimentConfig) -> int:

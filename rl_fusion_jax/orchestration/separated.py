@@ -575,10 +575,10 @@ class TrainSide:
     with self.timeline.phase("warmup", group=self.group):
       params = phases.init_policy(setup, programs)
       params = phases.warmup(setup, programs, params, guard=DivergenceGuard(self.cfg.run, "warm-up"))
-    ref = jax.tree.map(jnp.copy, params) if self.cfg.algo.needs_reference else None
-    state = state_lib.create_train_state(params, programs.tx, programs.state_shardings)
     d = programs.deployment
-    return state, (d.place_aux(ref, programs.ref_param_shardings) if ref is not None else None)
+    ref = (d.place_aux(params, programs.ref_param_shardings, keep_source=True) if self.cfg.algo.needs_reference
+           else None)
+    return state_lib.create_train_state(params, programs.tx, programs.state_shardings), ref
 
   def _step_once(self, state, ref_resting, step: int, guard: DivergenceGuard):
     t_start = time.perf_counter()

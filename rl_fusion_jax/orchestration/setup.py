@@ -11,13 +11,16 @@ import json
 import os
 from typing import Any
 
-from rl_fusion_jax import models
+import jax
+from absl import logging
+
+from rl_fusion_jax import chat, models
 from rl_fusion_jax.config import ExperimentConfig
 from rl_fusion_jax.fusion.deployment import check_rules
 from rl_fusion_jax.models import reward_model, value_model
 from rl_fusion_jax.orchestration import data
 from rl_fusion_jax.rewards.registry import make_task
-from rl_fusion_jax.tokenizer import CharTokenizer, load_tokenizer
+from rl_fusion_jax.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
 
 
 @dataclasses.dataclass
@@ -29,7 +32,7 @@ class Setup:
   warmup_task: Any
   eval_task: Any
   hf_params: Any = None       # host weights of config.model.hf_path, if set
-  reward_model: Any = None    # (ModelConfig, host params) of config.task.reward_model, if set
+  reward_model: Any = None    # (ModelConfig, host numpy params) of config.task.reward_model, if set
   critic_params: Any = None   # host params of config.critic.init, if set
 
 
@@ -60,7 +63,18 @@ def _read_checkpoints(cfg: ExperimentConfig):
     if rm[0].vocab_size < cfg.model.config.vocab_size:
       raise ValueError(f"config.task.reward_model: vocab_size {rm[0].vocab_size} < the policy's "
                        f"{cfg.model.config.vocab_size}")
+    rm = (rm[0], _to_host(rm[1]))
   return hf_params, rm
+
+
+def _to_host(params):
+  """``params`` as host numpy arrays, their device buffers deleted: the run places them from the host
+  straight to where they rest (``Deployment.place_aux``: host memory in ``full``)."""
+  host = jax.device_get(params)
+  for x in jax.tree.leaves(params):
+    if isinstance(x, jax.Array):
+      x.delete()
+  return host
 
 
 def _make_tasks(cfg: ExperimentConfig):
@@ -77,6 +91,22 @@ def _make_tasks(cfg: ExperimentConfig):
             for seed in (2 * cfg.run.seed, 2 * cfg.policy_seed + 1, cfg.task.eval_seed)]
   except ValueError as e:
     raise ValueError(f"config.task: {e}") from e
+
+
+def _chat_prompts(cfg: ExperimentConfig, tokenizer, tasks):
+  """task.prompt_format='chat': the tokenizer's chat form (``HFTokenizer.for_chat``) and the tasks with
+  prompts rendered by its template; a template that fails to render fails in ``_check_lengths``."""
+  if not isinstance(tokenizer, HFTokenizer):
+    raise ValueError(f"config.task.prompt_format='chat': needs a Hugging Face tokenizer with a chat "
+                     f"template; config.task.tokenizer={cfg.task.tokenizer!r} is a character tokenizer")
+  try:
+    tokenizer = tokenizer.for_chat()
+  except ValueError as e:
+    raise ValueError(f"config.task.prompt_format='chat': {e}") from e
+  stop = tokenizer.tokenizer.id_to_token(tokenizer.eos_id)
+  logging.info("chat prompts: template from %s; generation stops at id %d (%r)",
+               tokenizer.chat_template_source, tokenizer.eos_id, stop)
+  return tokenizer, [chat.chat_task(t, tokenizer.apply_chat_template, cfg.task.system_prompt) for t in tasks]
 
 
 def _check_lengths(cfg: ExperimentConfig, tokenizer, tasks) -> None:
@@ -110,11 +140,16 @@ def validate(cfg: ExperimentConfig, num_devices: int) -> Setup:
   """Every check that needs no compile: devices, rules, tokenizer, tasks, prompt lengths, checkpoints."""
   cfg.check_devices(num_devices)
   check_rules(cfg, num_devices)
+  if not (cfg.task.tokenizer or cfg.model.hf_path):
+    raise ValueError("config.task.tokenizer: '' means the tokenizer in config.model.hf_path, which is empty")
   try:
-    tokenizer = load_tokenizer(cfg.task.tokenizer, vocab_size=cfg.model.config.vocab_size)
+    tokenizer = load_tokenizer(cfg.task.tokenizer or cfg.model.hf_path,
+                               vocab_size=cfg.model.config.vocab_size)
   except ValueError as e:
     raise ValueError(f"config.task.tokenizer / config.model.vocab_size: {e}") from e
   tasks = _make_tasks(cfg)
+  if cfg.task.prompt_format == "chat":
+    tokenizer, tasks = _chat_prompts(cfg, tokenizer, tasks)
   _check_lengths(cfg, tokenizer, tasks)
   hf_params, rm = _read_checkpoints(cfg)
   return Setup(cfg, tokenizer, *tasks, hf_params=hf_params, reward_model=rm, critic_params=_read_critic(cfg))

@@ -13,8 +13,13 @@ per chunk of decode steps.
 
 One run is a loop of: collect the slots that finished -> stop if the target is met -> refill free slots
 from the queue (``refill='continuous'``: any free slot; ``'static'``: only when every slot is free, the
-batch-at-a-time baseline) -> decode a chunk of at most ``chunk_steps`` steps -> fetch the slot state
-(the one device-to-host transfer per chunk; nothing is read back per token). With ``early_exit`` (the
+batch-at-a-time baseline) -> decode a chunk of at most ``chunk_steps`` steps -> fetch what the host needs
+to decide (each slot's done flag and response length, and the chunk's step and token counts: 2 x S + 2
+numbers). Collecting finished slots dispatches a gather of their rows only (each batch shard gathers its
+own, padded to a power-of-two count), read after the next chunk is dispatched, so that transfer overlaps
+the decode. Nothing is read back per token, and the full slot state never is inside a run. The oldest
+token version of each in-flight sample is kept on the host from the response lengths (each chunk's
+tokens carry the run's version). With ``early_exit`` (the
 default) a continuous chunk also ends as soon as ``prefill_rows`` slots (or as many as there are queued
 prompts) finished, so free slots wait for at most one prefill call's worth of company, not for K steps;
 and a run with ``target_samples`` ends its last chunk as soon as the target is met (with ``finish_groups``:
@@ -41,17 +46,18 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from rl_fusion_jax.rollout import slots
-from rl_fusion_jax.rollout.generate import GenerateSpec
-from rl_fusion_jax.sharding.mesh import batch_shards
+from rl_fusion_jax.rollout.decode import GenerateSpec
+from rl_fusion_jax.sharding.mesh import BATCH_AXES, batch_shards, replicated
 from rl_fusion_jax.types import Rollout
 
 REFILL_POLICIES = ("continuous", "static")
@@ -136,7 +142,7 @@ class _Target:
 class _Finished:
   order: tuple[int, int]      # (chunk counter when collected, sample id): completion order
   group_id: int
-  row: dict                   # host numpy fields of one SlotState row
+  row: dict | None            # host numpy fields of one SlotState row (None until read: ``_read_rows``)
 
 
 class Engine:
@@ -155,18 +161,27 @@ class Engine:
     self.programs = slots.programs(cfg.spec, cfg.num_slots, rows, mesh, treedef, tuple(leaves))
     self._rng = jax.random.key(cfg.seed)
     self._state = self.programs.empty()
-    self._host = jax.device_get(self._state)     # the slot state as of the last fetch
+    self._shards = shards
+    self._gather = _row_gatherer(mesh, jax.tree.map(lambda x: x.sharding, self._state), cfg.num_slots,
+                                 cfg.spec.seq_len)
+    # Host view of the slot state as of the last fetch: done flags, response lengths, and the oldest
+    # version among each occupant's generated tokens (None: none yet).
+    self._done_s = np.ones((cfg.num_slots,), bool)
+    self._response_len_s = np.zeros((cfg.num_slots,), np.int32)
+    self._min_version_s: list[int | None] = [None] * cfg.num_slots
     self._cache = None
     self._kv_valid = False                       # the cache holds the KV of every in-flight prefix
     self._occupant: list[Request | None] = [None] * cfg.num_slots
     self._queue: collections.deque[Request] = collections.deque()
     self._finished: list[_Finished] = []
+    self._unread: list = []                      # (finished entries, their gathered rows on the device)
     self._ids: set[int] = set()                  # live samples: queued, in flight, or not yet returned
     self._group_added: collections.Counter = collections.Counter()
     self._group_returned: collections.Counter = collections.Counter()
     self._chunks = 0
     # Called with (host Rollout, group ids) of the samples that finished in the last chunk, as soon as
-    # they are collected (e.g. to start scoring them while the next chunks decode); must not block.
+    # their rows are read (once the next chunk is dispatched: e.g. to score them while it decodes); must
+    # not block.
     self.on_finished: Callable[[Rollout, np.ndarray], None] | None = None
 
   # -- queue -----------------------------------------------------------------------------------------
@@ -224,8 +239,7 @@ class Engine:
   def group_min_versions(self) -> dict[int, int | None]:
     """Per held group, the oldest policy version among its held samples' generated tokens (None: none yet).
 
-    As of the end of the last run, ``add`` or ``load_state_dict`` (read from the host copy of the slot
-    state; no device transfer).
+    As of the end of the last run, ``add`` or ``load_state_dict`` (kept on the host; no device transfer).
     """
     out: dict[int, int | None] = {}
     for g, v in self._held_versions():
@@ -237,10 +251,9 @@ class Engine:
     """(group id, oldest version of its generated tokens or None) for every sample held here."""
     for r in self._queue:
       yield r.group_id, None
-    host = self._host
     for s, r in enumerate(self._occupant):
       if r is not None:
-        yield r.group_id, _min_version(host.version_st[s], host.prompt_len_s[s], host.response_len_s[s])
+        yield r.group_id, self._min_version_s[s]
     for f in self._finished:
       yield f.group_id, _min_version(f.row["version_st"], f.row["prompt_len_s"], f.row["response_len_s"])
 
@@ -261,9 +274,9 @@ class Engine:
     target = self._check_target(target_samples, target_groups, finish_groups)
     t0, stats = time.perf_counter(), collections.Counter()
     version = jax.device_put(jnp.asarray(policy_version, jnp.int32), self.programs.replicated)
-    with jax.transfer_guard_device_to_host("disallow"):   # explicit fetches only: one per chunk
+    with jax.transfer_guard_device_to_host("disallow"):   # explicit fetches only (see the module docstring)
       while True:
-        self._collect()
+        self._collect(stats)
         if self._target_met(target) or not (self._queue or self.num_in_flight):
           break
         if self._cache is None:
@@ -272,7 +285,8 @@ class Engine:
           self._reprefill(params, stats)
           self._kv_valid = True
         self._refill(params, stats)
-        self._decode(params, version, target, stats)
+        self._decode(params, version, policy_version, target, stats)
+      self._read_rows()
     result = self._take(target)
     if not self.cfg.keep_cache and self._cache is not None:
       jax.tree.map(lambda x: x.delete(), self._cache)
@@ -370,6 +384,7 @@ class Engine:
     ``np.savez(path, **state)`` stores it as is.
     """
     slot_f = [s for s, r in enumerate(self._occupant) if r is not None]
+    host = jax.device_get(self._state) if slot_f else None   # the in-flight rows: fetched only here
     done = sorted(self._finished, key=lambda f: f.order)
     state = {"format": _STATE_FORMAT, "chunks": self._chunks,
              **{f"config.{k}": v for k, v in _fingerprint(self.cfg).items()},
@@ -379,10 +394,11 @@ class Engine:
              "done.group_id": np.asarray([f.group_id for f in done], np.int32),
              "done.chunk": np.asarray([f.order[0] for f in done], np.int64)}
     for name in _SLOT_FIELDS:
-      state[f"flight.{name}"] = np.asarray(getattr(self._host, name))[slot_f]
+      state[f"flight.{name}"] = (np.asarray(getattr(host, name))[slot_f] if slot_f
+                                 else _empty_rows(name, self.cfg.spec.seq_len))
     for name in _ROW_FIELDS:
-      template = np.asarray(getattr(self._host, name))[:0]
-      state[f"done.{name}"] = np.stack([f.row[name] for f in done]) if done else template
+      state[f"done.{name}"] = (np.stack([f.row[name] for f in done]) if done
+                               else _empty_rows(name, self.cfg.spec.seq_len))
     for name, counter in (("added", self._group_added), ("returned", self._group_returned)):
       state[f"groups.{name}"] = np.asarray(sorted(counter.items()), np.int64).reshape(-1, 2)
     return state
@@ -429,31 +445,72 @@ class Engine:
     slot_f = np.asarray(state["flight.slot"], np.int64)
     if slot_f.size and slot_f.max() >= self.cfg.num_slots:
       slot_f = np.arange(slot_f.size)
-    host = jax.tree.map(np.array, self._host)       # writable copies
+    host = jax.tree.map(np.array, jax.device_get(self._state))       # writable copies
     for name in _SLOT_FIELDS:
       getattr(host, name)[slot_f] = state[f"flight.{name}"]
     host.done_s[slot_f] = False
     self._occupant = [None] * self.cfg.num_slots
     for s, request in zip(slot_f, _requests(state, "flight.", "tokens_st")):
       self._occupant[int(s)] = request
-    self._host = host
+    self._done_s, self._response_len_s = host.done_s.copy(), host.response_len_s.copy()
+    self._min_version_s = [
+        _min_version(host.version_st[s], host.prompt_len_s[s], host.response_len_s[s]) if r is not None else None
+        for s, r in enumerate(self._occupant)]
     self._state = jax.device_put(host, jax.tree.map(lambda x: x.sharding, self._state))
 
   # -- slots: the host side of slots.py's programs -------------------------------------------------
 
-  def _collect(self) -> None:
-    """Moves every occupied slot that is done (as of the last fetch) to the finished list."""
-    done = [s for s, r in enumerate(self._occupant) if r is not None and self._host.done_s[s]]
-    new = []
-    for s in sorted(done, key=lambda s: self._occupant[s].sample_id):
-      request = self._occupant[s]
-      row = {name: np.array(getattr(self._host, name)[s]) for name in _ROW_FIELDS}
-      new.append(_Finished((self._chunks, request.sample_id), request.group_id, row))
+  def _collect(self, stats) -> None:
+    """Moves every occupied slot that is done (as of the last fetch) to the finished list and dispatches
+    the gather of their rows (counted in ``row_fetches``); ``_read_rows`` reads them after the next chunk
+    is dispatched, so the transfer is off the host's critical path. Completion order, group ids and
+    targets need no row."""
+    done = sorted((s for s, r in enumerate(self._occupant) if r is not None and self._done_s[s]),
+                  key=lambda s: self._occupant[s].sample_id)
+    if not done:
+      return
+    new = [_Finished((self._chunks, self._occupant[s].sample_id), self._occupant[s].group_id, None)
+           for s in done]
+    self._unread.append((new, self._gather_rows(done)))
+    for s in done:
       self._occupant[s] = None
     self._finished.extend(new)
-    if new and self.on_finished is not None:
-      self.on_finished(_stack([f.row for f in new], self.cfg.spec.seq_len),
-                       np.asarray([f.group_id for f in new], np.int32))
+    stats["row_fetches"] += 1
+
+  def _read_rows(self) -> None:
+    """Reads every gathered batch of rows (one transfer each) into its finished entries, then hands each
+    batch to ``on_finished``."""
+    for entries, (packed, positions) in self._unread:
+      for f, row in zip(entries, _unpack_rows(jax.device_get(packed)[positions], self.cfg.spec.seq_len)):
+        f.row = row
+      if self.on_finished is not None:
+        self.on_finished(_stack([f.row for f in entries], self.cfg.spec.seq_len),
+                         np.asarray([f.group_id for f in entries], np.int32))
+    self._unread = []
+
+  def _fetch_rows(self, slot_k: list[int]) -> list[dict]:
+    """Host rows (``_ROW_FIELDS``) of slots ``slot_k`` now, in that order (gather, then one transfer)."""
+    packed, positions = self._gather_rows(slot_k)
+    return _unpack_rows(jax.device_get(packed)[positions], self.cfg.spec.seq_len)
+
+  def _gather_rows(self, slot_k: list[int]) -> tuple[jax.Array, list[int]]:
+    """Dispatches the gather of slots ``slot_k`` (non-empty) -> (packed rows on the device, the position
+    of each requested slot's row in them).
+
+    Each batch shard gathers its own rows (no cross-device traffic); the per-shard row count is padded
+    to a power of two (at most the shard's slots): one compile per size (``_RowGather``).
+    """
+    local = self.cfg.num_slots // self._shards
+    rows = [[] for _ in range(self._shards)]    # per shard: local row indices
+    where = []                                  # per requested slot: (shard, position in its list)
+    for s in slot_k:
+      where.append((s // local, len(rows[s // local])))
+      rows[s // local].append(s % local)
+    size = min(local, 1 << (max(map(len, rows)) - 1).bit_length())
+    index_bk = np.zeros((self._shards, size), np.int32)
+    for b, r in enumerate(rows):
+      index_bk[b, :len(r)] = r
+    return self._gather(self._state, index_bk), [b * size + j for b, j in where]
 
   def _refill(self, params, stats) -> None:
     free = [s for s, r in enumerate(self._occupant) if r is None]
@@ -463,6 +520,7 @@ class Engine:
     while free and self._queue:
       slot, request = free.pop(0), self._queue.popleft()
       self._occupant[slot] = request
+      self._done_s[slot], self._response_len_s[slot], self._min_version_s[slot] = False, 0, None
       batch.append((slot, request))
     for start in range(0, len(batch), self.rows):
       chunk = batch[start:start + self.rows]
@@ -472,7 +530,7 @@ class Engine:
 
   def _reprefill(self, params, stats) -> None:
     """Recomputes the KV of every in-flight prefix (prompt + response so far) under ``params``."""
-    need = {s: int(self._host.prompt_len_s[s] + self._host.response_len_s[s] - 1)
+    need = {s: len(r.prompt) + int(self._response_len_s[s]) - 1
             for s, r in enumerate(self._occupant) if r is not None}
     order = sorted(need, key=need.get)
     for start in range(0, len(order), self.rows):
@@ -500,7 +558,9 @@ class Engine:
     if stats["prefill_calls"] % _PREFILLS_PER_BLOCK == 0:
       jax.block_until_ready(self._state)
 
-  def _decode(self, params, version, target, stats) -> None:
+  def _decode(self, params, version, policy_version: int, target, stats) -> None:
+    """Dispatches one chunk, reads the rows gathered before it (``_read_rows``), then the per-chunk fetch:
+    done flags, response lengths and the two counters."""
     min_done = self.cfg.num_slots + 1     # never: run the full chunk
     if self.cfg.early_exit and self.cfg.refill == "continuous" and self._queue:
       min_done = min(self.rows, len(self._queue))
@@ -511,7 +571,13 @@ class Engine:
                              self.programs.replicated)
     self._state, self._cache, steps, tokens = self.programs.decode(
         params, self._cache, self._state, *scalars, self._rng, version)
-    self._host, steps, tokens = jax.device_get((self._state, steps, tokens))
+    self._read_rows()     # rows gathered before this chunk: ready while it decodes
+    done_s, response_len_s, steps, tokens = jax.device_get(
+        (self._state.done_s, self._state.response_len_s, steps, tokens))
+    for s in np.flatnonzero(response_len_s > self._response_len_s):   # slots that sampled this chunk
+      old = self._min_version_s[s]
+      self._min_version_s[s] = policy_version if old is None else min(old, policy_version)
+    self._done_s, self._response_len_s = np.array(done_s), np.array(response_len_s)
     self._chunks += 1
     stats.update(decode_chunks=1, decode_steps=int(steps), generated_tokens=int(tokens))
 
@@ -543,6 +609,68 @@ class Engine:
 _ROW_FIELDS = ("tokens_st", "logp_st", "version_st", "prompt_len_s", "response_len_s", "finished_s",
                "sample_id_s")
 _SLOT_FIELDS = _ROW_FIELDS + ("forced_len_s",)    # an in-flight row: every SlotState field but done_s
+
+
+def _packed_rows(state: slots.SlotState, slot_k):
+  """Rows ``slot_k`` of the slot state as one int32 [K, 3T + 4] array (one transfer): tokens, log-prob
+  bits, versions, then finished, prompt length, response length, sample id."""
+  take = lambda x: x[slot_k]
+  scalars_k4 = jnp.stack([take(state.finished_s).astype(jnp.int32), take(state.prompt_len_s),
+                          take(state.response_len_s), take(state.sample_id_s)], axis=1)
+  return jnp.concatenate([take(state.tokens_st), jax.lax.bitcast_convert_type(take(state.logp_st), jnp.int32),
+                          take(state.version_st), scalars_k4], axis=1)
+
+
+class _RowGather:
+  """``_packed_rows`` on each batch shard of ``mesh`` with no cross-device traffic: shard b takes the
+  local row indices in row b of an index array [shards, K] (a small host array, replicated: it may go in
+  as numpy, also with several processes), and the result [shards * K, 3T + 4] is split over the batch
+  axes like the slots.
+
+  K is a power of two or the shard's slot count. Every K is compiled at the first call, so no later chunk
+  of a run compiles (a step's finished-row counts vary)."""
+
+  def __init__(self, mesh: Mesh, state_shardings, num_slots: int):
+    def local(state, index_bk):
+      return _packed_rows(state, index_bk[jax.lax.axis_index(BATCH_AXES)])
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(BATCH_AXES), P()), out_specs=P(BATCH_AXES),
+                       check_vma=False)
+    self.fn = jax.jit(fn, in_shardings=(state_shardings, replicated(mesh)))
+    self.shards = batch_shards(mesh)
+    local = num_slots // self.shards
+    self.sizes = tuple(k for k in (1 << i for i in range(local.bit_length())) if k < local) + (local,)
+    self._compiled = False
+
+  def __call__(self, state: slots.SlotState, index_bk: np.ndarray) -> jax.Array:
+    if not self._compiled:
+      jax.block_until_ready([self.fn(state, np.zeros((self.shards, k), np.int32)) for k in self.sizes])
+      self._compiled = True
+    return self.fn(state, index_bk)
+
+
+@functools.lru_cache(maxsize=16)
+def _row_gatherer(mesh: Mesh, state_shardings, num_slots: int, seq_len: int) -> _RowGather:
+  """Shared by every engine with equal arguments (all hashable), so a new engine compiles nothing."""
+  del seq_len   # part of the key: the compiled shapes depend on it
+  return _RowGather(mesh, state_shardings, num_slots)
+
+
+def _unpack_rows(packed_k: np.ndarray, seq_len: int) -> list[dict]:
+  """The per-sample row dicts (``_ROW_FIELDS``, dtypes of the slot state: per-token fields as views of
+  one array per field, the rest numpy scalars) of ``_packed_rows``' result (rows already selected)."""
+  t = seq_len
+  tokens_kt, version_kt = packed_k[:, :t], packed_k[:, 2 * t:3 * t]
+  logp_kt = np.ascontiguousarray(packed_k[:, t:2 * t]).view(np.float32)
+  finished_k = packed_k[:, 3 * t].astype(bool)
+  return [{"tokens_st": tokens_kt[i], "logp_st": logp_kt[i], "version_st": version_kt[i],
+           "prompt_len_s": packed_k[i, 3 * t + 1], "response_len_s": packed_k[i, 3 * t + 2],
+           "finished_s": finished_k[i], "sample_id_s": packed_k[i, 3 * t + 3]} for i in range(len(packed_k))]
+
+
+def _empty_rows(name: str, seq_len: int) -> np.ndarray:
+  """Zero rows of slot-state field ``name`` (its dtype; [0, T] for per-token fields, [0] otherwise)."""
+  dtype = {"logp_st": np.float32, "finished_s": bool}.get(name, np.int32)
+  return np.zeros((0, seq_len) if name.endswith("_st") else (0,), dtype)
 
 
 def _min_version(version_t, start, length) -> int | None:

@@ -1,4 +1,4 @@
-"""Device side of the generation engine: per-slot state, fixed-shape prefill into slots, chunked decode.
+"""Device side of the generation engine: fixed-shape prefill into slots, chunked decode.
 
 A fixed number of slots share one KV cache ``{'k','v'}: [L, S, K, T, H]`` with ``T = max_prompt_len +
 max_new_tokens``. Both programs here are pure functions that take the cache and the slot state donated and
@@ -15,68 +15,34 @@ return them, so a refill never reallocates anything and shapes never change:
   drawn from the logits of one decode step with key (rng, sample id, t), whichever slot, chunk or call
   it lands in.
 
-``SlotPrograms`` jits them with explicit shardings (slot dimension over the mesh batch axes) and
+The per-slot state (``SlotState``) and the decode step are ``decode.py``'s, shared with the tests'
+reference generator. ``SlotPrograms`` jits the programs with explicit shardings (slot dimension over the
+mesh batch axes; the KV cache as ``GENERATE_RULES`` maps its logical axes, ``rules.cache_sharding``) and
 donation. This module never touches the host: the engine (``engine.py``) decides what goes where.
 """
 from __future__ import annotations
 
 import functools
 
-import flax.struct
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from jaxtyping import Array, Bool, Float, Int
+from jax.sharding import Mesh
 
 from rl_fusion_jax import models
-from rl_fusion_jax.rollout.generate import GenerateSpec, put_at, take_at
-from rl_fusion_jax.rollout.sampling import sample, sample_keys
-from rl_fusion_jax.sharding.mesh import BATCH_AXES, batch_sharding, replicated
+from rl_fusion_jax.rollout import decode as decode_lib
+# SlotState and empty_slots are part of this module's interface (the engine reads slots.SlotState).
+from rl_fusion_jax.rollout.decode import GenerateSpec, SlotState, empty_slots
+from rl_fusion_jax.sharding.mesh import batch_sharding, replicated
+from rl_fusion_jax.sharding.rules import GENERATE_RULES, cache_sharding
 
 # The narrowest prefill: below it a forward saves little, and every width is one more compile.
 MIN_PREFILL_WIDTH = 8
 
 
-@flax.struct.dataclass
-class SlotState:
-  """One row per slot, laid out like types.Rollout: prompt + response back to back, zero after."""
-  tokens_st: Int[Array, "S T"]
-  logp_st: Float[Array, "S T"]
-  version_st: Int[Array, "S T"]
-  prompt_len_s: Int[Array, "S"]
-  response_len_s: Int[Array, "S"]
-  forced_len_s: Int[Array, "S"]     # > 0: the response ends at this length and EOS is ignored
-  finished_s: Bool[Array, "S"]      # ended by EOS (or, when forced, by reaching the forced length)
-  done_s: Bool[Array, "S"]          # finished or at max_new_tokens; also True for an empty slot
-  sample_id_s: Int[Array, "S"]
-
-
-def empty_slots(num_slots: int, seq_len: int) -> SlotState:
-  """Every slot empty (done, so decode leaves it alone)."""
-  zeros_s = jnp.zeros((num_slots,), jnp.int32)
-  return SlotState(
-      tokens_st=jnp.zeros((num_slots, seq_len), jnp.int32),
-      logp_st=jnp.zeros((num_slots, seq_len), jnp.float32),
-      version_st=jnp.full((num_slots, seq_len), -1, jnp.int32),
-      prompt_len_s=zeros_s, response_len_s=zeros_s, forced_len_s=zeros_s,
-      finished_s=jnp.zeros((num_slots,), bool), done_s=jnp.ones((num_slots,), bool), sample_id_s=zeros_s)
-
-
 def _admit(state: SlotState, dest_r, prompt_rp, prompt_len_r, sample_id_r, forced_len_r) -> SlotState:
   """Writes fresh samples into slots ``dest_r``; an index of S (out of range) drops that row."""
-  num_rows, width = prompt_rp.shape
-  seq_len = state.tokens_st.shape[1]
-  tokens_rt = jnp.zeros((num_rows, seq_len), jnp.int32).at[:, :width].set(prompt_rp)
-  put = lambda buf, value: buf.at[dest_r].set(value, mode="drop")
-  zeros_r = jnp.zeros((num_rows,), jnp.int32)
-  return state.replace(
-      tokens_st=put(state.tokens_st, tokens_rt),
-      logp_st=put(state.logp_st, jnp.zeros((num_rows, seq_len), jnp.float32)),
-      version_st=put(state.version_st, jnp.full((num_rows, seq_len), -1, jnp.int32)),
-      prompt_len_s=put(state.prompt_len_s, prompt_len_r), response_len_s=put(state.response_len_s, zeros_r),
-      forced_len_s=put(state.forced_len_s, forced_len_r),
-      finished_s=put(state.finished_s, jnp.zeros((num_rows,), bool)),
-      done_s=put(state.done_s, jnp.zeros((num_rows,), bool)), sample_id_s=put(state.sample_id_s, sample_id_r))
+  rows = decode_lib.new_rows(state.tokens_st.shape[1], prompt_rp, prompt_len_r, sample_id_r, forced_len_r)
+  return jax.tree.map(lambda buf, new: buf.at[dest_r].set(new, mode="drop"), state, rows)
 
 
 def prefill(spec: GenerateSpec, width: int, params, cache, state: SlotState, slot_r, is_new_r, prompt_rp,
@@ -99,41 +65,17 @@ def prefill(spec: GenerateSpec, width: int, params, cache, state: SlotState, slo
   return state, cache
 
 
-def _append(spec: GenerateSpec, state: SlotState, pos_s, token_s, logp_s, version) -> SlotState:
-  """Appends one sampled token at ``pos_s`` to every active slot and updates finished / done."""
-  active_s = ~state.done_s
-  response_len_s = state.response_len_s + active_s.astype(jnp.int32)
-  forced_s = state.forced_len_s > 0
-  eos_s = active_s & ~forced_s & (token_s == spec.eos_id)
-  finished_s = state.finished_s | eos_s | (active_s & forced_s & (response_len_s >= state.forced_len_s))
-  return state.replace(
-      tokens_st=put_at(state.tokens_st, pos_s, token_s, active_s),
-      logp_st=put_at(state.logp_st, pos_s, logp_s, active_s),
-      version_st=put_at(state.version_st, pos_s, jnp.broadcast_to(version, token_s.shape), active_s),
-      response_len_s=response_len_s, finished_s=finished_s,
-      done_s=state.done_s | finished_s | (response_len_s >= spec.max_new_tokens))
-
-
 def decode_chunk(spec: GenerateSpec, params, cache, state: SlotState, steps, min_done, rng, version):
   """At most ``steps`` decode steps over all slots; returns (state, cache, steps taken, tokens sampled).
 
   Exits early when no slot is active, or once ``min_done`` slots finished during this chunk (the host
   then has that many slots to refill; pass more than S to run the full ``steps``).
   """
-  num_slots, seq_len = state.tokens_st.shape
   done_at_start_s, response_len_at_start_s = state.done_s, state.response_len_s
 
   def body(carry):
     step, state, cache = carry
-    active_s = ~state.done_s
-    pos_s = state.prompt_len_s + state.response_len_s - 1          # each slot's newest token
-    last_s = take_at(state.tokens_st, pos_s)
-    write_s = jnp.where(active_s, pos_s, seq_len)                  # inactive slots write nothing
-    logits_s1v, cache = models.forward_with_cache(spec.model, params, last_s[:, None], write_s[:, None],
-                                                  cache)
-    keys_s = sample_keys(rng, state.sample_id_s, state.response_len_s)
-    token_s, logp_s = sample(logits_s1v[:, 0], keys_s, spec.sampling)
-    state = _append(spec, state, pos_s + 1, token_s, logp_s, version)
+    state, cache = decode_lib.decode_step(spec, params, state, cache, rng, version)
     return step + 1, state, cache
 
   def cond(carry):
@@ -180,11 +122,10 @@ class SlotPrograms:
   def __init__(self, spec: GenerateSpec, num_slots: int, rows: int, mesh: Mesh, param_shardings):
     self.rows = rows
     b1, b2, rep = batch_sharding(mesh, 1), batch_sharding(mesh, 2), replicated(mesh)
-    self.cache_sharding = NamedSharding(mesh, P(None, BATCH_AXES))
+    self.cache_sharding = cache_sharding(spec.model, mesh, GENERATE_RULES)
     self.row_shardings = (b1, b1, b2, b1, b1, b1)
     self.replicated = rep
-    state_sh = SlotState(tokens_st=b2, logp_st=b2, version_st=b2, prompt_len_s=b1, response_len_s=b1,
-                         forced_len_s=b1, finished_s=b1, done_s=b1, sample_id_s=b1)
+    self.state_shardings = state_sh = decode_lib.state_shardings(mesh)
     cache_sh = self.cache_sharding
     self.widths = prefill_widths(spec.max_prompt_len, spec.seq_len)
     self.prefill = {

@@ -1,4 +1,5 @@
-"""The phase switch: ``to_phase`` is the only place parameters change layout or memory kind.
+"""Every parameter move: ``to_phase`` (the phase switch) and ``move`` / ``release`` (everything else) are
+the only places parameters change layout, memory kind or mesh.
 
 Training keeps the parameters in the TRAIN_RULES layout (FSDP x tensor) and the optimizer state on the
 device; generation wants the GENERATE_RULES layout (tensor-parallel replicas) and the device memory for
@@ -15,8 +16,14 @@ there), not the arrays' global size. Per device, the live bytes during a switch 
 max(live before, live after) + one bucket: the generation layout is itself larger than the training one
 (no fsdp split), so after train -> generate the device legitimately holds more than before.
 
+Every other parameter move goes through ``move`` with the same buckets and the same statistics: weights
+sent to a rollout mesh (``keep_source=True``: the training side keeps its copy and no whole-tree copy is
+made), auxiliary models fetched to the devices and released, a checkpoint's host arrays placed straight
+where they rest (host memory included, never first on the devices).
+
 This module never builds PartitionSpecs of its own: every sharding comes from the rule tables
-(``rules.py``) and the optimizer's own structure (``train/state.py``).
+(``rules.py``) and the optimizer's own structure (``optimizer_shardings``). It imports nothing from
+``train/``: the training state is read through its ``params`` / ``opt_state`` / ``grads`` fields.
 """
 from __future__ import annotations
 
@@ -28,12 +35,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
 from rl_fusion_jax.sharding import memory
+from rl_fusion_jax.sharding.mesh import replicated
 from rl_fusion_jax.sharding.rules import GENERATE_RULES, TRAIN_RULES, Rules, param_shardings
-from rl_fusion_jax.train import state as state_lib
 
 HOST = "pinned_host"
 # Transfers dispatched before waiting: more than ~32 multi-device programs in flight deadlock on CPU.
@@ -59,6 +68,10 @@ class Layouts:
   opt_host: Any
   grads_device: Any
   grads_host: Any
+  # dtype of the generation copy of the floating params (e.g. bfloat16 over float32 master weights);
+  # None: generation uses the params themselves. With a dtype, ``to_phase`` keeps the master weights in
+  # ``master_params`` (on the host with ``offload_optimizer``) while generating.
+  generate_dtype: Any = None
 
   def offloaded(self, field: str, on_host: bool):
     """Shardings of an offloadable field (``opt_state`` or ``grads``) on the host or the device."""
@@ -82,28 +95,49 @@ def _on_host(shardings):
   return jax.tree.map(lambda s: s.with_memory_kind(HOST), shardings)
 
 
+def optimizer_shardings(tx: optax.GradientTransformation, abstract_params, param_shardings_, mesh: Mesh):
+  """Shardings of ``tx``'s state: per-parameter leaves (moments) follow their parameter's sharding,
+  the rest (step counters) is replicated over ``mesh``. Needs only the optimizer's structure."""
+  abstract_opt = jax.eval_shape(tx.init, abstract_params)
+  return optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_shardings_,
+                               transform_non_params=lambda _: replicated(mesh))
+
+
 def make_layouts(mesh: Mesh, abstract_params, logical_axes, tx: optax.GradientTransformation, *,
-                 train_rules: Rules = TRAIN_RULES, generate_rules: Rules = GENERATE_RULES) -> Layouts:
-  """Derives all shardings of both phases; raises naming the rule table and rule if one is bad."""
+                 train_rules: Rules = TRAIN_RULES, generate_rules: Rules = GENERATE_RULES,
+                 generate_dtype=None) -> Layouts:
+  """Derives all shardings of both phases; raises naming the rule table and rule if one is bad.
+
+  ``generate_dtype``: the dtype generation runs its weights in (``ModelConfig.generation_dtype``); when no
+  floating param would change dtype it is dropped (``Layouts.generate_dtype`` None).
+  """
   _check_rules(train_rules, mesh, "train_rules")
   _check_rules(generate_rules, mesh, "generate_rules")
   train = param_shardings(abstract_params, logical_axes, mesh, train_rules)
   generate = param_shardings(abstract_params, logical_axes, mesh, generate_rules)
-  opt = state_lib.state_shardings(tx, abstract_params, train, mesh).opt_state
+  opt = optimizer_shardings(tx, abstract_params, train, mesh)
+  if generate_dtype is not None:
+    generate_dtype = jnp.dtype(generate_dtype)
+    if all(_cast_dtype(x.dtype, generate_dtype) == x.dtype for x in jax.tree.leaves(abstract_params)):
+      generate_dtype = None
   return Layouts(params={Phase.TRAIN: train, Phase.GENERATE: generate}, opt_device=opt,
-                 opt_host=_on_host(opt), grads_device=train, grads_host=_on_host(train))
+                 opt_host=_on_host(opt), grads_device=train, grads_host=_on_host(train),
+                 generate_dtype=generate_dtype)
+
+
+def _cast_dtype(dtype, generate_dtype):
+  """The dtype of one param's generation copy: ``generate_dtype`` for floating params, else its own."""
+  return generate_dtype if jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
 # ---------------------------------------------------------------------------------------------------
-# Statistics of one switch.
+# Statistics of one move or switch.
 
 
-@dataclasses.dataclass(frozen=True)
-class SwitchStats:
-  """What one switch moved and what it cost; memory fields are empty when tracking was off."""
-  phase: Phase
-  params_bytes: int             # bytes of the param arrays that changed layout (one logical copy)
-  offload_bytes: int            # bytes of optimizer state / gradients that changed memory kind
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoveStats:
+  """What one bucketed move (or release) did and cost; memory fields are empty when tracking was off."""
+  moved_bytes: int              # bytes of the arrays moved (one logical copy); for a release, freed
   buckets: int
   largest_bucket_bytes: int     # destination bytes the fullest device received in the largest bucket
   seconds: float                # wall time of the moves, sampling excluded
@@ -122,10 +156,14 @@ class SwitchStats:
     return max((peak - max(before.get(d, 0), after.get(d, 0)) for d, peak in self.peak_per_device.items()),
                default=0)
 
-  def as_metrics(self, prefix: str = "switch/") -> dict[str, float]:
-    out = {"params_bytes": self.params_bytes, "offload_bytes": self.offload_bytes,
-           "buckets": self.buckets, "largest_bucket_bytes": self.largest_bucket_bytes,
-           "seconds": self.seconds}
+  def counts(self) -> dict[str, float]:
+    """The figures reported whether or not memory was tracked."""
+    return {"bytes": self.moved_bytes, "buckets": self.buckets,
+            "largest_bucket_bytes": self.largest_bucket_bytes, "seconds": self.seconds}
+
+  def as_metrics(self, prefix: str) -> dict[str, float]:
+    """``counts()`` and, when memory was tracked, the peak and per-kind figures; keys start with ``prefix``."""
+    out = self.counts()
     if self.peak_per_device:
       out |= {"peak_bytes_max": max(self.peak_per_device.values()),
               "peak_extra_bytes_max": self.peak_extra_bytes(),
@@ -136,8 +174,30 @@ class SwitchStats:
     return {prefix + k: float(v) for k, v in out.items()}
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SwitchStats(MoveStats):
+  """One ``to_phase``: ``moved_bytes`` split into the params' layout change and the offloaded fields."""
+  phase: Phase
+  params_bytes: int             # bytes of the param arrays that changed layout (one logical copy)
+  offload_bytes: int            # bytes of optimizer state / gradients that changed memory kind
+
+  def counts(self) -> dict[str, float]:
+    return {"params_bytes": self.params_bytes, "offload_bytes": self.offload_bytes, "buckets": self.buckets,
+            "largest_bucket_bytes": self.largest_bucket_bytes, "seconds": self.seconds}
+
+  def as_metrics(self, prefix: str = "switch/") -> dict[str, float]:
+    return super().as_metrics(prefix)
+
+
 def _max_of(live: memory.LiveBytes, kind: str) -> int:
   return max(memory.per_device(live, kind).values(), default=0)
+
+
+def _memory_fields(tracker) -> dict[str, Any]:
+  """The memory fields of a stats record: empty without a tracker, else before / after / peaks."""
+  if tracker is None:
+    return {}
+  return dict(before=tracker.before, after=tracker.sample(), peak_per_device=dict(tracker.peak_per_device))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -160,68 +220,129 @@ def plan_buckets(costs: Sequence[int], bucket_bytes: int) -> list[list[int]]:
   return buckets
 
 
-def _shard_bytes(array: jax.Array, sharding: NamedSharding) -> int:
-  return math.prod(sharding.shard_shape(array.shape)) * array.dtype.itemsize
+def _leaves(tree, shardings, field: str, *, allow_host: bool = False) -> tuple[list, list, Any]:
+  """Flattens the state field and its shardings together; raises naming the field on any mismatch.
 
-
-def _leaves(tree, shardings, field: str) -> tuple[list, list, Any]:
-  """Flattens the state field and its shardings together; raises naming the field on any mismatch."""
+  Leaves must be jax.Arrays, or also numpy arrays with ``allow_host``.
+  """
   leaves, treedef = jax.tree.flatten(tree)
   try:
     dsts = treedef.flatten_up_to(shardings)
   except (ValueError, TypeError) as e:
     raise ValueError(f"state.{field}: structure does not match its layout: {e}") from None
+  allowed = (jax.Array, np.ndarray) if allow_host else jax.Array
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    if not isinstance(leaf, jax.Array):
-      raise ValueError(f"state.{field}{jax.tree_util.keystr(path)}: expected a jax.Array, got "
-                       f"{type(leaf).__name__}")
+    if not isinstance(leaf, allowed):
+      raise ValueError(f"state.{field}{jax.tree_util.keystr(path)}: expected a jax.Array"
+                       f"{' or a numpy array' if allow_host else ''}, got {type(leaf).__name__}")
   return leaves, dsts, treedef
 
 
-def _pending(leaves: list, dsts: list, field: str) -> list[int]:
-  """Indices of the leaves whose layout or memory kind differs from the destination."""
-  todo = [i for i, (x, s) in enumerate(zip(leaves, dsts))
-          if x.sharding.memory_kind != s.memory_kind or not x.sharding.is_equivalent_to(s, x.ndim)]
+def _differs(x, sharding: NamedSharding) -> bool:
+  """Whether leaf ``x`` (a host array, or a device array) is not already at ``sharding``."""
+  return (not isinstance(x, jax.Array) or x.sharding.memory_kind != sharding.memory_kind
+          or not x.sharding.is_equivalent_to(sharding, x.ndim))
+
+
+def _pending(leaves: list, dsts: list, field: str, keep_source: bool) -> list[int]:
+  """Indices of the leaves to put: all of them with ``keep_source`` (the result must own every buffer),
+  else those (host arrays, or device arrays whose layout or memory kind differs) not at the destination."""
+  if keep_source:
+    return list(range(len(leaves)))
+  todo = [i for i, (x, s) in enumerate(zip(leaves, dsts)) if _differs(x, s)]
   if len({id(leaves[i]) for i in todo}) != len(todo):
     raise ValueError(f"state.{field}: the same array appears twice; to_phase deletes each moved "
                      "source, so every leaf must be its own array")
   return todo
 
 
-def _move_bucket(leaves: list, dsts: list, bucket: Sequence[int], tracker) -> None:
-  """Puts one bucket to its destinations, waits, samples the peak, then frees the sources."""
+def _move_bucket(leaves: list, out: list, dsts: list, bucket: Sequence[int], tracker, keep_source: bool,
+                 dtypes: list | None = None) -> None:
+  """Puts one bucket to its destinations (into ``out``; cast to ``dtypes[i]`` first where given), waits,
+  samples the peak, then frees the device sources unless ``keep_source``."""
+  def source(i):
+    x = leaves[i]
+    return x if dtypes is None or x.dtype == dtypes[i] else x.astype(dtypes[i])
+
   moved = []
   for start in range(0, len(bucket), _MAX_IN_FLIGHT):
     chunk = bucket[start:start + _MAX_IN_FLIGHT]
-    moved += jax.block_until_ready(jax.device_put([leaves[i] for i in chunk], [dsts[i] for i in chunk]))
+    moved += jax.block_until_ready(jax.device_put([source(i) for i in chunk], [dsts[i] for i in chunk],
+                                                  may_alias=False if keep_source else None))
   if tracker is not None:
     tracker.sample()    # sources and destinations are both alive: the bucket's peak
   for i, new in zip(bucket, moved):
-    leaves[i].delete()
-    leaves[i] = new
+    if not keep_source and isinstance(leaves[i], jax.Array):
+      leaves[i].delete()
+    out[i] = new
 
 
-def _move_tree(flat: tuple[list, list, Any], field: str, bucket_bytes: int, tracker) -> tuple[Any, int, list[int]]:
-  """Moves one flattened field bucket by bucket; returns the new tree, bytes moved and bucket costs."""
+def _cast_dtypes(leaves: list, dtype) -> list | None:
+  """Per leaf, the dtype it is moved in (``_cast_dtype``); None without ``dtype``."""
+  return None if dtype is None else [_cast_dtype(x.dtype, jnp.dtype(dtype)) for x in leaves]
+
+
+def _move_tree(flat: tuple[list, list, Any], field: str, bucket_bytes: int, tracker,
+               keep_source: bool = False, dtype=None) -> tuple[Any, int, list[int]]:
+  """Moves one flattened field bucket by bucket (floating leaves cast to ``dtype`` if given); returns
+  the new tree, bytes moved (of the sources) and bucket costs (destination bytes per device)."""
   leaves, dsts, treedef = flat
-  todo = _pending(leaves, dsts, field)
-  costs = [_shard_bytes(leaves[i], dsts[i]) for i in todo]
+  dtypes = _cast_dtypes(leaves, dtype)
+  todo = _pending(leaves, dsts, field, keep_source)
+  if dtypes is not None:
+    todo = sorted(set(todo) | {i for i, x in enumerate(leaves) if x.dtype != dtypes[i]})
+  costs = [math.prod(dsts[i].shard_shape(leaves[i].shape)) * (dtypes[i] if dtypes else leaves[i].dtype).itemsize
+           for i in todo]
   plan = plan_buckets(costs, bucket_bytes)
   moved_bytes = sum(leaves[i].nbytes for i in todo)
+  out = list(leaves)
   for bucket in plan:
-    _move_bucket(leaves, dsts, [todo[j] for j in bucket], tracker)
-  return treedef.unflatten(leaves), moved_bytes, [sum(costs[j] for j in bucket) for bucket in plan]
+    _move_bucket(leaves, out, dsts, [todo[j] for j in bucket], tracker, keep_source, dtypes)
+  return treedef.unflatten(out), moved_bytes, [sum(costs[j] for j in bucket) for bucket in plan]
 
 
-def move(tree, shardings, *, bucket_bytes: int, name: str = "tree") -> tuple[Any, int]:
-  """Bucketed copy of ``tree`` to ``shardings`` (another layout, memory kind or mesh) -> (tree, bytes).
+def move(tree, shardings, *, bucket_bytes: int, name: str = "tree", keep_source: bool = False,
+         track_memory: bool = False, dtype=None) -> tuple[Any, MoveStats]:
+  """Bucketed copy of ``tree`` to ``shardings`` (another layout, memory kind or mesh) -> (tree, stats).
 
-  The moved source leaves are deleted, as in ``to_phase``; used for the weights sent to a rollout mesh
-  and for auxiliary models moving between host and device.
+  Leaves may be device arrays or host numpy arrays (a checkpoint read into host memory, which goes
+  straight to its destination memory kind). Without ``keep_source`` the moved device leaves are deleted,
+  as in ``to_phase``, and leaves already at their destination are returned as they are. With
+  ``keep_source`` nothing is deleted and every leaf is copied (also those already in place), so the
+  result shares no buffer with ``tree``: the extra memory is the destination itself, built one bucket at
+  a time, with no intermediate copy. With ``track_memory`` live bytes are sampled after every bucket
+  (time excluded from ``seconds``). With ``dtype`` the floating leaves arrive in that dtype (each cast
+  on its source's devices right before its bucket moves). Used for the weights sent to a rollout mesh,
+  auxiliary models moving between host and device, checkpoints placed leaf by leaf, and the critic's
+  parking.
   """
   _check_args(Phase.TRAIN, bucket_bytes)
-  moved, nbytes, _ = _move_tree(_leaves(tree, shardings, name), name, bucket_bytes, None)
-  return moved, nbytes
+  flat = _leaves(tree, shardings, name, allow_host=True)
+  tracker = memory.MemoryTracker() if track_memory else None
+  sampled = tracker.seconds if tracker else 0.0
+  start = time.perf_counter()
+  moved, nbytes, costs = _move_tree(flat, name, bucket_bytes, tracker, keep_source, dtype)
+  seconds = time.perf_counter() - start - ((tracker.seconds - sampled) if tracker else 0.0)
+  return moved, MoveStats(moved_bytes=nbytes, buckets=len(costs), largest_bucket_bytes=max(costs, default=0),
+                          seconds=seconds, **_memory_fields(tracker))
+
+
+def release(tree, *, used_by=None, track_memory: bool = False) -> MoveStats:
+  """Deletes every array of ``tree`` (e.g. a fetched device copy whose resting copy lives elsewhere)
+  once ``used_by`` (the outputs computed from it) is ready -> stats with the freed bytes.
+
+  The wait for ``used_by`` is not counted in ``seconds``. ``buckets`` is 0: a release moves nothing.
+  """
+  jax.block_until_ready(used_by)
+  leaves = list({id(x): x for x in jax.tree.leaves(tree) if not x.is_deleted()}.values())
+  tracker = memory.MemoryTracker() if track_memory else None
+  start = time.perf_counter()
+  freed = sum(x.nbytes for x in leaves)
+  for x in leaves:
+    x.delete()
+  seconds = time.perf_counter() - start
+  return MoveStats(moved_bytes=freed, buckets=0, largest_bucket_bytes=0, seconds=seconds,
+                   **_memory_fields(tracker))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -264,29 +385,67 @@ def to_phase(state, phase: Phase, *, layouts: Layouts, bucket_bytes: int, offloa
   Leaves already where ``phase`` wants them are left alone (switching to the current phase moves
   nothing). The moved leaves of the input are deleted; use the returned state. With ``track_memory``
   the live bytes are sampled after every bucket (a few ms each; the time is excluded from ``seconds``).
+
+  With ``layouts.generate_dtype`` (mixed precision), going to generation makes ``params`` a copy in that
+  dtype and the generation layout, bucket by bucket, while the master weights go to ``master_params``
+  (pinned host memory with ``offload_optimizer``, else they stay where they are); going back deletes the
+  copy and returns the masters, bit for bit, to ``params``.
   """
   _check_args(phase, bucket_bytes)
+  masters = _get(state, "master_params")
+  split = layouts.generate_dtype is not None and phase is Phase.GENERATE and masters is None
+  join = masters is not None and phase is Phase.TRAIN     # params are the generation copy: masters return
+  sources = {"params": masters} if join else {}
   # Every field is checked before the first byte moves, so a bad state fails with nothing deleted.
-  steps = [(field, _leaves(_get(state, field), shardings, field))
-           for field, shardings in _plan(state, phase, layouts, offload_optimizer)]
+  steps = [(field, _leaves(sources.get(field, _get(state, field)), shardings, field))
+           for field, shardings in _plan(state, phase, layouts, offload_optimizer)
+           if not (split and field == "params")]
+  params_flat = _leaves(_get(state, "params"), layouts.params[Phase.TRAIN], "params") if split else None
   tracker = memory.MemoryTracker() if track_memory else None
   sampled = tracker.seconds if tracker else 0.0
   start = time.perf_counter()
   moved, costs = {}, []
+  if join:    # the generation copy is derived from the masters: free it before they come back
+    release(_get(state, "params"))
+    state = _replace(state, "master_params", None)
   for field, flat in steps:
     tree, moved[field], field_costs = _move_tree(flat, field, bucket_bytes, tracker)
     state = _replace(state, field, tree)
+    costs += field_costs
+  if split:
+    gen, master, moved["params"], moved["master_params"], field_costs = _split_params(
+        params_flat, layouts, offload_optimizer, bucket_bytes, tracker)
+    state = _replace(_replace(state, "params", gen), "master_params", master)
     costs += field_costs
   seconds = time.perf_counter() - start - ((tracker.seconds - sampled) if tracker else 0.0)
   return state, _stats(phase, moved, costs, seconds, tracker)
 
 
+def _split_params(flat, layouts: Layouts, offload: bool, bucket_bytes: int, tracker):
+  """Train -> generate under mixed precision, bucket by bucket: the bucket's copies in
+  ``layouts.generate_dtype`` and the generation layout are made, then its masters go to the host
+  (``offload``; their device sources deleted) -> (copies, masters, copy bytes, master bytes, costs)."""
+  leaves, _, treedef = flat
+  gen_dsts = treedef.flatten_up_to(layouts.params[Phase.GENERATE])
+  master_dsts = treedef.flatten_up_to(_on_host(layouts.params[Phase.TRAIN]) if offload
+                                      else layouts.params[Phase.TRAIN])
+  dtypes = _cast_dtypes(leaves, layouts.generate_dtype)
+  costs = [math.prod(s.shard_shape(x.shape)) * dt.itemsize for x, s, dt in zip(leaves, gen_dsts, dtypes)]
+  plan = plan_buckets(costs, bucket_bytes)
+  gen, master = list(leaves), list(leaves)
+  for bucket in plan:
+    bucket = list(bucket)
+    _move_bucket(leaves, gen, gen_dsts, bucket, tracker, keep_source=True, dtypes=dtypes)
+    _move_bucket(leaves, master, master_dsts, [i for i in bucket if _differs(leaves[i], master_dsts[i])],
+                 None, keep_source=False)
+  gen_bytes = sum(math.prod(x.shape) * dt.itemsize for x, dt in zip(leaves, dtypes))
+  master_bytes = sum(x.nbytes for x, s in zip(leaves, master_dsts) if offload)
+  return (treedef.unflatten(gen), treedef.unflatten(master), gen_bytes, master_bytes,
+          [sum(costs[j] for j in bucket) for bucket in plan])
+
+
 def _stats(phase: Phase, moved: Mapping[str, int], costs: list[int], seconds: float, tracker) -> SwitchStats:
-  memory_fields = {}
-  if tracker is not None:
-    memory_fields = dict(before=tracker.before, after=tracker.sample(),
-                         peak_per_device=dict(tracker.peak_per_device))
-  return SwitchStats(phase=phase, params_bytes=moved.get("params", 0),
+  return SwitchStats(phase=phase, moved_bytes=sum(moved.values()), params_bytes=moved.get("params", 0),
                      offload_bytes=sum(v for f, v in moved.items() if f != "params"),
                      buckets=len(costs), largest_bucket_bytes=max(costs, default=0), seconds=seconds,
-                     **memory_fields)
+                     **_memory_fields(tracker))

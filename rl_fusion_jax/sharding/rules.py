@@ -1,8 +1,9 @@
 """Logical axis -> mesh axis rule tables, one per phase, and the shardings derived from them.
 
-Parameters carry logical axis names only (``rl_fusion_jax.models.param_logical_axes``). These tables are
-the single place that decides how they map onto the (data, fsdp, tensor) mesh; nothing else in the code
-spells a PartitionSpec for parameters.
+Parameters carry logical axis names only (``rl_fusion_jax.models.param_logical_axes``), and so does the
+KV cache (``rl_fusion_jax.models.cache_logical_axes``). These tables are the single place that decides
+how they map onto the (data, fsdp, tensor) mesh; nothing else in the code spells a PartitionSpec for
+parameters or for the cache.
 """
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from collections.abc import Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from rl_fusion_jax.models.config import ModelConfig
+from rl_fusion_jax.models.kv_cache import cache_logical_axes
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
@@ -26,6 +30,12 @@ TRAIN_RULES: Rules = (
     ("mlp", "tensor"),
     # Norm scales are tiny: replicated.
     ("norm", None),
+    # The stacked layer axis of scanned blocks: never split (each device runs every layer).
+    ("layers", None),
+    # KV cache [layers, cache_batch, kv_heads, cache_seq, head_dim] (the names above serve it too): rows
+    # over the batch axes like every batch (sharding.mesh.BATCH_AXES), positions never split.
+    ("cache_batch", ("data", "fsdp")),
+    ("cache_seq", None),
 )
 
 GENERATE_RULES: Rules = (
@@ -36,6 +46,9 @@ GENERATE_RULES: Rules = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("norm", None),
+    ("layers", None),
+    ("cache_batch", ("data", "fsdp")),   # fsdp holds no params here, so its devices take their own rows
+    ("cache_seq", None),
 )
 
 
@@ -60,15 +73,37 @@ def logical_to_spec(axes: Sequence[str | None], rules: Rules, mesh: Mesh) -> P:
   return P(*spec)
 
 
+def _shards(part, mesh: Mesh) -> tuple[tuple[str, ...], int]:
+  """The mesh axes of one PartitionSpec entry and how many pieces they split a dimension into."""
+  axes = (part,) if isinstance(part, str) else tuple(part or ())
+  shards = 1
+  for a in axes:
+    shards *= mesh.shape[a]
+  return axes, shards
+
+
+def cache_sharding(cfg: ModelConfig, mesh: Mesh, rules: Rules) -> NamedSharding:
+  """The one sharding of ``cache['k']`` and ``cache['v']``: ``models.cache_logical_axes()`` under ``rules``.
+
+  Raises, naming ``model.num_kv_heads`` and the mesh axes, when the axes that split 'kv_heads' do not
+  divide the model's KV heads. Whether the batch axes divide the rows is the caller's check (the engine
+  validates ``num_slots``), since the row count is not part of the model.
+  """
+  spec = logical_to_spec(cache_logical_axes(), rules, mesh)
+  axes, shards = _shards(spec[cache_logical_axes().index("kv_heads")], mesh)
+  if cfg.num_kv_heads % shards:
+    sizes = " x ".join(f"mesh.{a}={mesh.shape[a]}" for a in axes)
+    raise ValueError(f"model.num_kv_heads={cfg.num_kv_heads} does not divide over {sizes} (rule "
+                     f"'kv_heads'): the KV cache splits its heads like the k/v projections")
+  return NamedSharding(mesh, spec)
+
+
 def param_shardings(abstract_params, logical_axes, mesh: Mesh, rules: Rules):
   """NamedSharding per parameter; raises naming the parameter if a dimension does not divide."""
   def one(path, leaf, axes):
     spec = logical_to_spec(axes, rules, mesh)
     for dim, (size, part) in enumerate(zip(leaf.shape, tuple(spec) + (None,) * leaf.ndim)):
-      parts = (part,) if isinstance(part, str) else (part or ())
-      shards = 1
-      for a in parts:
-        shards *= mesh.shape[a]
+      parts, shards = _shards(part, mesh)
       if size % shards:
         raise ValueError(f"parameter {jax.tree_util.keystr(path)} dimension {dim} (size {size}, logical "
                          f"{axes[dim]!r}) does not divide over mesh axes {parts} ({shards} shards)")

@@ -74,9 +74,8 @@ def queue_train_batch(mesh, queue, rows: int, width: int):
 
 
 def tiny_model():
-  from rl_fusion_jax import models
-  return models.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                            intermediate_size=64, qkv_bias=True, max_position_embeddings=32)
+  from rl_fusion_jax.testing.tiny import tiny_model_config
+  return tiny_model_config(max_position_embeddings=32)
 
 
 def make_update(mesh):

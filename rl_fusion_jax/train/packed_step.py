@@ -30,10 +30,12 @@ from jaxtyping import Array, Float, Int
 
 from rl_fusion_jax import algorithms, models
 from rl_fusion_jax.config import AlgoConfig
+from rl_fusion_jax.models import decoder
 from rl_fusion_jax.queue.global_batch import global_batch
 from rl_fusion_jax.sharding.mesh import batch_sharding, batch_shards, replicated
 from rl_fusion_jax.train import packing
 from rl_fusion_jax.train import step as step_lib
+from rl_fusion_jax.train.logprobs import head_logprobs
 from rl_fusion_jax.train.state import TrainState
 
 # Policy losses that reduce over the time axis of a row: on a packed row they would mix samples.
@@ -80,11 +82,10 @@ def packed_token_logprobs(model_cfg: models.ModelConfig, params, tokens_rw: Int[
   logp_rw[r, w] = log pi(token w | the earlier tokens of its own sample), as ``token_logprobs`` on the
   sample's own padded row.
   """
-  logits_rwv = models.forward(model_cfg, params, tokens_rw[:, :-1], positions_bt=positions_rw[:, :-1],
-                              segment_ids_bt=segment_ids_rw[:, :-1]) / temperature
-  logp_all_rwv = jax.nn.log_softmax(logits_rwv.astype(jnp.float32), axis=-1)
-  logp_rw = jnp.take_along_axis(logp_all_rwv, tokens_rw[:, 1:, None], axis=-1)[..., 0]
-  entropy_rw = -jnp.sum(jnp.exp(logp_all_rwv) * logp_all_rwv, axis=-1)
+  hidden_rwd = decoder.hidden(model_cfg, params, tokens_rw[:, :-1], positions_bt=positions_rw[:, :-1],
+                              segment_ids_bt=segment_ids_rw[:, :-1])
+  logp_rw, entropy_rw = head_logprobs(model_cfg, params, hidden_rwd, tokens_rw[:, 1:], temperature,
+                                      with_entropy=True)
   starts_rw = positions_rw[:, 1:] == 0    # the target opens a sample (or is padding): nothing predicts it
   pad = lambda x_rw: jnp.pad(jnp.where(starts_rw, 0.0, x_rw), ((0, 0), (1, 0)))
   return pad(logp_rw), pad(entropy_rw)

@@ -1,6 +1,8 @@
 """TrainState (params, optimizer state, policy version), the optimizer, and their shardings."""
 from __future__ import annotations
 
+from typing import Any
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,7 @@ from jax.sharding import Mesh
 
 from rl_fusion_jax.config import OptimConfig
 from rl_fusion_jax.sharding.mesh import replicated
+from rl_fusion_jax.sharding.reshard import optimizer_shardings
 
 
 @flax.struct.dataclass
@@ -17,6 +20,9 @@ class TrainState:
   params: dict
   opt_state: optax.OptState
   policy_version: jax.Array     # int32: the version stamped on tokens generated with these params
+  # Mixed precision, generation phase only: the master weights while ``params`` holds their generation
+  # copy (``reshard.to_phase``); None whenever the state is in the training phase.
+  master_params: Any = None
 
 
 def make_optimizer(cfg: OptimConfig, learning_rate: float | None = None) -> optax.GradientTransformation:
@@ -29,12 +35,11 @@ def make_optimizer(cfg: OptimConfig, learning_rate: float | None = None) -> opta
 
 
 def state_shardings(tx: optax.GradientTransformation, abstract_params, param_shardings, mesh: Mesh):
-  """Shardings of a TrainState: optimizer moments follow their parameters, counters replicate."""
-  abstract_opt = jax.eval_shape(tx.init, abstract_params)
-  opt_shardings = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_shardings,
-                                        transform_non_params=lambda _: replicated(mesh))
+  """Shardings of a TrainState: optimizer moments follow their parameters, counters replicate
+  (``reshard.optimizer_shardings``, the one derivation the phase switch uses too)."""
   rep = replicated(mesh)
-  return TrainState(step=rep, params=param_shardings, opt_state=opt_shardings, policy_version=rep)
+  return TrainState(step=rep, params=param_shardings,
+                    opt_state=optimizer_shardings(tx, abstract_params, param_shardings, mesh), policy_version=rep)
 
 
 def create_train_state(params, tx: optax.GradientTransformation, shardings: TrainState,

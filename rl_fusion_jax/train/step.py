@@ -112,8 +112,17 @@ def split_micro_batches(tree, num_micro: int, mesh: Mesh):
   return jax.tree.map(split, tree)
 
 
+def _accumulator_dtype(dtype):
+  """Sums of floating values accumulate in float32 (or wider), whatever the parameter dtype."""
+  return jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
 def _accumulate(loss_fn: LossFn, params, batch, weights_bt, num_micro: int, mesh: Mesh):
-  """Sum of gradients and metric sums over micro-batches (weights are global, so sums are exact)."""
+  """Sum of gradients and metric sums over micro-batches (weights are global, so sums are exact).
+
+  With several micro-batches the sums accumulate in float32 (also for bfloat16 parameters); the summed
+  gradients are then cast to the parameters' dtype, so optimizer state keeps its dtype step after step.
+  """
   grad_fn = jax.grad(loss_fn, has_aux=True)
   if num_micro == 1:
     return grad_fn(params, batch, weights_bt)
@@ -121,12 +130,12 @@ def _accumulate(loss_fn: LossFn, params, batch, weights_bt, num_micro: int, mesh
 
   def body(carry, mb):
     grads, sums = grad_fn(params, *mb)
-    return jax.tree.map(jnp.add, carry, (grads, sums)), None
+    return jax.tree.map(lambda acc, x: acc + x.astype(acc.dtype), carry, (grads, sums)), None
 
   zero = jax.eval_shape(grad_fn, params, *jax.tree.map(lambda x: x[0], micro))
-  zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero)
+  zero = jax.tree.map(lambda s: jnp.zeros(s.shape, _accumulator_dtype(s.dtype)), zero)
   (grads, sums), _ = jax.lax.scan(body, zero, micro)
-  return grads, sums
+  return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), sums
 
 
 # The divergence guard: what ``metrics["nonfinite"]`` holds after an update (0: all finite, else the first
