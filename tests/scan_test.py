@@ -104,7 +104,7 @@ def test_chunked_logprobs_values_and_gradients_equal_the_full_softmax(params, ch
 def test_chunked_update_holds_no_full_logits(params):
   # The compiled gradient holds one chunk of float32 logits at a time: with 16 chunks of 64 tokens its
   # temporaries (mostly vocabulary-sized parameter gradients, 0.5 MB each) stay well under the [B*T, V]
-  # logits alone, and the unchunked pass keeps more than twice those.
+  # logits alone, while the unchunked pass keeps at least those.
   tokens = jnp.zeros((32, 33), jnp.int32)        # 1,024 targets, short rows (little attention)
   big = dataclasses.replace(CFG, vocab_size=4096, remat="full")   # layer activations out of the way
   p = models.abstract_params(big)
@@ -113,7 +113,7 @@ def test_chunked_update_holds_no_full_logits(params):
                                                               tokens))))
     return fn.lower(p).compile().memory_analysis().temp_size_in_bytes
   full_logits = 1024 * 4096 * 4
-  assert temp_bytes(4096) > 2 * full_logits        # unchunked: logits and probabilities both kept
+  assert temp_bytes(4096) > full_logits            # unchunked: the whole [B*T, V] log-softmax kept
   assert temp_bytes(64) < full_logits / 2          # chunked: about one [64, V] chunk at a time
 
 

@@ -39,8 +39,11 @@ def get_config(arg: str = ""):
   if arg:
     raise ValueError(f"gsm8k_chat.py has no variants; got {arg!r}")
   c = runpy.run_path(_ARITHMETIC)["get_config"]()
-  # The architecture comes from DIR/config.json; only the compute precision is chosen here.
-  c.model = ml_collections.ConfigDict(dict(hf_path="", init_std=0.02, dtype="bf16_matmul"))
+  # The architecture comes from DIR/config.json; only the runtime fields are chosen here: bfloat16
+  # compute over float32 master weights (generation on the switch's bfloat16 copy), each layer
+  # rematerialized in the backward pass, the lm head 1,024 tokens at a time.
+  c.model = ml_collections.ConfigDict(dict(hf_path="", init_std=0.02, dtype="bfloat16", remat="full",
+                                           scan_unroll=1, logits_chunk=1024))
   c.task = ml_collections.ConfigDict(dict(
       name="gsm8k", kwargs=dict(path=SAMPLE), tokenizer="", prompt_format="chat", system_prompt="",
       eval_seed=10_000, eval_problems=64, eval_samples=0, pass_k=1, reward_model="", reward_model_weight=1.0,

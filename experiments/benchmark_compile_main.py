@@ -1,0 +1,79 @@
+r"""Compile time of the RL update against model depth.
+
+  python experiments/benchmark_compile_main.py --config=experiments/configs/tiny_grpo.py --layers=4,24
+
+For each layer count, the config's model with `num_layers` replaced (and `scan_unroll` set by
+--scan_unroll; 0: every layer unrolled) is lowered and compiled ahead of time as
+the loop's RL update (`train.step.make_rl_step`: forward, backward, AdamW, one micro-batch) on one device
+at the config's batch shape, from abstract arguments: nothing runs. Prints one JSON line per depth (median
+lower and compile seconds over --repeats fresh compiles; no persistent compilation cache). Only APIs that
+also existed before the layers were scanned are used, so the same binary times an older checkout
+(`PYTHONPATH=OLD_CHECKOUT python experiments/benchmark_compile_main.py ...`).
+"""
+import dataclasses
+import json
+import statistics
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
+_LAYERS = flags.DEFINE_list("layers", ["4", "24"], "Layer counts to compile.")
+_UNROLL = flags.DEFINE_integer("scan_unroll", 1, "model.scan_unroll (0: num_layers, every layer unrolled).")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Fresh compiles per depth (medians reported).")
+
+
+def compile_seconds(exp, layers: int, scan_unroll: int) -> dict:
+  """(lower s, compile s) of the RL update at `layers` layers, each a fresh trace and compile."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+  from rl_fusion_jax import models  # pylint: disable=g-import-not-at-top
+  from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings  # pylint: disable=g-import-not-at-top
+  from rl_fusion_jax.train import state as state_lib  # pylint: disable=g-import-not-at-top
+  from rl_fusion_jax.train import step as step_lib  # pylint: disable=g-import-not-at-top
+  from rl_fusion_jax.types import TrainBatch  # pylint: disable=g-import-not-at-top
+  fields = {"num_layers": layers}
+  if "scan_unroll" in {f.name for f in dataclasses.fields(exp.model.config)}:
+    fields["scan_unroll"] = min(scan_unroll or layers, layers)
+  cfg = dataclasses.replace(exp.model.config, **fields)
+  mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+  tx = state_lib.make_optimizer(exp.optim)
+  abstract = models.abstract_params(cfg)
+  shardings = state_lib.state_shardings(tx, abstract, param_shardings(abstract, models.param_logical_axes(cfg),
+                                                                      mesh, TRAIN_RULES), mesh)
+  state = jax.eval_shape(lambda p: state_lib.TrainState(jnp.int32(0), p, tx.init(p), jnp.int32(0)), abstract)
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+  rows, width = exp.rollout.batch_size, exp.rollout.seq_len
+  dtypes = dict(tokens_bt=jnp.int32, version_bt=jnp.int32)
+  batch = TrainBatch(**{f.name: jax.ShapeDtypeStruct((rows, width), dtypes.get(f.name, jnp.float32))
+                        for f in dataclasses.fields(TrainBatch)})
+  batch = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), batch,
+                       step_lib.batch_shardings(mesh))
+  lower, comp = [], []
+  for _ in range(_REPEATS.value):
+    step = step_lib.make_rl_step(cfg, exp.algo, exp.rollout.temperature, tx, 1, mesh, width, shardings)
+    t0 = time.perf_counter()
+    lowered = step.lower(state, batch)
+    t1 = time.perf_counter()
+    lowered.compile()
+    t2 = time.perf_counter()
+    lower.append(t1 - t0)
+    comp.append(t2 - t1)
+  return {"layers": layers, "scan_unroll": fields.get("scan_unroll"), "rows": rows, "width": width,
+          "lower_s": round(statistics.median(lower), 3), "compile_s": round(statistics.median(comp), 3)}
+
+
+def main(argv):
+  del argv
+  from rl_fusion_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  exp = config_lib.experiment_from_dict(_CONFIG.value)
+  for layers in _LAYERS.value:
+    print(json.dumps(compile_seconds(exp, int(layers), _UNROLL.value)), flush=True)
+
+
+if __name__ == "__main__":
+  flags.mark_flag_as_required("config")
+  app.run(main)
