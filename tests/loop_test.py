@@ -58,9 +58,10 @@ FIXTURES = os.path.join(ROOT, "rl_fusion_jax", "testing", "hf_fixtures")
 
 
 def hf_config(path, **overrides):
-  """tiny() with the model read from an HF folder (only hf_path given)."""
+  """tiny() with the model read from an HF folder (hf_path, and scan_unroll: the fixtures' 2 layers
+  unrolled, as tiny() does, see rl_fusion_jax/testing/experiments.py)."""
   c = config_lib.as_dict(tiny())
-  c["model"] = {"hf_path": path}
+  c["model"] = {"hf_path": path, "scan_unroll": 2}
   c.update(overrides)
   return c
 

@@ -109,8 +109,8 @@ class ModelConfig:
   The `num_layers` blocks are one stacked parameter tree (`params['layers']`, leading axis 'layers') run
   by `lax.scan`; `remat` (`REMAT_POLICIES`) says what the backward pass keeps of each layer, and
   `scan_unroll` how many layers one loop iteration runs (1: compile time independent of depth;
-  `num_layers` or more: fully unrolled, which tiny CPU models run faster: the tiny-grpo update took 0.37 s
-  rolled against 0.27 s unrolled on a 2-core CPU). Log-probs
+  `num_layers` or more: fully unrolled, which the tiny experiment configs use on CPU; compile times of
+  both in BENCHMARKS.md, "Compile time against depth"). Log-probs
   (`train.logprobs`) compute the lm head `logits_chunk` tokens at a time, so no float32 [B, T, V] tensor
   exists in the update: a positive number of tokens per chunk.
   """

@@ -210,6 +210,23 @@ def _noise_chunks(shapes: dict[tuple, tuple[int, ...]]) -> list[list[tuple]]:
   return chunks
 
 
+def _per_layer_order(normal_shapes: dict[tuple, tuple[int, ...]], num_layers: int) -> dict[tuple, tuple[int, ...]]:
+  """The normal params as one entry per layer ('layers_0', 'layers_1', ... in string order, each layer's
+  params together), among the others in sorted order of their top-level names.
+
+  This is the order of the unstacked model (one module per layer), so the draws below give every layer
+  the values it had before the layers were stacked: the same seed initializes the same model.
+  """
+  groups: dict[str, dict[tuple, tuple[int, ...]]] = {}
+  for path, shape in normal_shapes.items():
+    if path[0] == "layers":
+      for i in range(num_layers):
+        groups.setdefault(f"layers_{i}", {})[(f"layers_{i}",) + path[1:]] = shape[1:]
+    else:
+      groups.setdefault(path[0], {})[path] = shape
+  return {p: shape for name in sorted(groups) for p, shape in groups[name].items()}
+
+
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _init_params(cfg: ModelConfig, rng: jax.Array, init_std: float) -> Params:
   # Normals come from a few flat draws sliced per tensor: every separate random call costs a fraction
@@ -217,12 +234,19 @@ def _init_params(cfg: ModelConfig, rng: jax.Array, init_std: float) -> Params:
   leaves, rules = dict(flatten(abstract_params(cfg))), dict(flatten(_init_rules(cfg)))
   flat = {p: jnp.full(leaf.shape, 1.0 if rules[p] == "ones" else 0.0, leaf.dtype)
           for p, leaf in leaves.items() if rules[p] != "normal"}
-  normal_shapes = {p: leaf.shape for p, leaf in leaves.items() if rules[p] == "normal"}
+  normal_shapes = _per_layer_order({p: leaf.shape for p, leaf in leaves.items() if rules[p] == "normal"},
+                                   cfg.num_layers)
+  drawn = {}
   for index, chunk in enumerate(_noise_chunks(normal_shapes)):
     sizes = [math.prod(normal_shapes[p]) for p in chunk]
     noise = jax.random.normal(jax.random.fold_in(rng, index), (sum(sizes),), F32) * init_std
     for path, offset, size in zip(chunk, itertools.accumulate([0] + sizes), sizes):
-      flat[path] = noise[offset:offset + size].reshape(normal_shapes[path]).astype(leaves[path].dtype)
+      drawn[path] = noise[offset:offset + size].reshape(normal_shapes[path])
+  for path, leaf in leaves.items():
+    if rules[path] == "normal":
+      x = (jnp.stack([drawn[(f"layers_{i}",) + path[1:]] for i in range(cfg.num_layers)])
+           if path[0] == "layers" else drawn[path])
+      flat[path] = x.astype(leaf.dtype)
   return unflatten({p: flat[p] for p in leaves})
 
 
