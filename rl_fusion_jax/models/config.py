@@ -133,12 +133,15 @@ class ModelConfig:
   bos_token_id: int | None = None
   eos_token_id: int | None = None
   remat: str = "none"
-  scan_unroll: int = 1
+  # 0 (default): every layer unrolled on the CPU backend, 1 elsewhere. On CPU meshes of several devices,
+  # XLA:CPU's in-process collectives inside a rolled layer scan deadlocked intermittently (README, Known
+  # limits); tiny CPU models also run faster unrolled.
+  scan_unroll: int = 0
   logits_chunk: int = 1024
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                 "intermediate_size", "max_position_embeddings", "logits_chunk", "scan_unroll"):
+                 "intermediate_size", "max_position_embeddings", "logits_chunk"):
       _check_positive_int(name, getattr(self, name))
     if self.num_heads % self.num_kv_heads:
       raise _fail("num_kv_heads", f"must divide num_heads={self.num_heads}", self.num_kv_heads)
@@ -155,6 +158,8 @@ class ModelConfig:
       raise _fail("model_type", f"must be one of {MODEL_TYPES}", self.model_type)
     if self.dtype not in PRECISIONS:
       raise _fail("dtype", f"must be one of {tuple(PRECISIONS)}", self.dtype)
+    if isinstance(self.scan_unroll, bool) or not isinstance(self.scan_unroll, int) or self.scan_unroll < 0:
+      raise _fail("scan_unroll", "must be an int >= 0 (0: unrolled on CPU, 1 elsewhere)", self.scan_unroll)
     if self.remat not in REMAT_POLICIES:
       raise _fail("remat", f"must be one of {REMAT_POLICIES}", self.remat)
     if self.param_dtype not in DTYPES:

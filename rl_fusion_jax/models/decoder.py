@@ -52,6 +52,11 @@ def _stacked_layers(cfg: ModelConfig, init_std: float, rngs: nnx.Rngs) -> Decode
   return make(rngs)
 
 
+def _default_unroll(num_layers: int) -> int:
+  """`ModelConfig.scan_unroll=0`: every layer unrolled on the CPU backend, one layer per iteration elsewhere."""
+  return num_layers if jax.default_backend() == "cpu" else 1
+
+
 class Decoder(nnx.Module):
   """Token embedding, `num_layers` blocks stacked in `layers` (run by `lax.scan`), final norm, lm head.
 
@@ -85,7 +90,7 @@ class Decoder(nnx.Module):
     if differentiable and self.remat != "none":
       body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     carry, _ = jax.lax.scan(body, carry, (state, jnp.arange(self.num_layers, dtype=jnp.int32)),
-                            unroll=min(self.scan_unroll, self.num_layers))
+                            unroll=min(self.scan_unroll or _default_unroll(self.num_layers), self.num_layers))
     return carry
 
   def layer(self, index: int) -> DecoderLayer:

@@ -41,7 +41,7 @@ PRESETS = {
 def preset_config(name: str, **overrides) -> models.ModelConfig:
   """Qwen2.5 shape `name` with float32 master weights and bfloat16 compute (override any field)."""
   fields = dict(PRESETS[name], qkv_bias=True, max_position_embeddings=32768, dtype="bfloat16",
-                param_dtype="float32", remat="full", logits_chunk=1024)
+                param_dtype="float32", remat="full", logits_chunk=1024, scan_unroll=1)
   fields.update(overrides)
   return models.ModelConfig(**fields)
 
