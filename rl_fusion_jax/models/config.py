@@ -110,7 +110,8 @@ class ModelConfig:
   by `lax.scan`; `remat` (`REMAT_POLICIES`) says what the backward pass keeps of each layer, and
   `scan_unroll` how many layers one loop iteration runs (1: compile time independent of depth;
   `num_layers` or more: fully unrolled, which the tiny experiment configs use on CPU; compile times of
-  both in BENCHMARKS.md, "Compile time against depth"). Log-probs
+  both in BENCHMARKS.md, "Compile time against depth"; 0, the default: unrolled on the CPU backend, 1
+  elsewhere). Log-probs
   (`train.logprobs`) compute the lm head `logits_chunk` tokens at a time, so no float32 [B, T, V] tensor
   exists in the update: a positive number of tokens per chunk.
   """
