@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from rl_fusion_jax.models import hf_config
 
-MODEL_TYPES = ("qwen2", "llama")
+MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen2_moe", "qwen3_moe")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # The precision policies `ModelConfig.dtype` names: (activation dtype, matmul input dtype). Matmuls always
 # accumulate in float32 when their inputs are bfloat16 under 'bf16_matmul'; see layers.Projection.
@@ -29,7 +29,15 @@ ROPE_TYPES = ("default", "llama3")
 REMAT_POLICIES = ("none", "full", "matmuls")
 # Fields that change how the model is computed, not which model it is: a config may set them when it
 # loads a checkpoint (everything else must agree with the checkpoint's config.json).
-RUNTIME_FIELDS = ("dtype", "remat", "logits_chunk", "scan_unroll")
+RUNTIME_FIELDS = ("dtype", "remat", "logits_chunk", "scan_unroll", "moe_impl", "moe_capacity_factor",
+                  "router_aux_loss_coef", "router_z_loss_coef")
+# `ModelConfig.moe_impl`: how routed tokens meet their experts (models/moe.py). 'ragged_dot' groups the
+# sorted tokens with `jax.lax.ragged_dot`; 'blocked' pads each expert's group to whole blocks and runs one
+# matmul per block (XLA:CPU lowers ragged_dot to a dense masked product over every expert); 'auto' picks
+# 'blocked' on the CPU backend and 'ragged_dot' elsewhere. All three are dropless; with
+# `moe_capacity_factor` set, each expert takes at most ceil(factor * tokens * top_k / experts) tokens
+# instead (the rest are dropped from that expert, as in Switch / GShard).
+MOE_IMPLS = ("auto", "ragged_dot", "blocked")
 # Keys the llama3 frequency formula reads (transformers `_compute_llama3_parameters`).
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -139,6 +147,21 @@ class ModelConfig:
   # limits); tiny CPU models also run faster unrolled.
   scan_unroll: int = 0
   logits_chunk: int = 1024
+  # Mixture of experts (Qwen2-MoE / Qwen3-MoE): num_experts=0 is a dense model. Layer i is sparse iff
+  # num_experts > 0, i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0 (HF's rule).
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  shared_expert_intermediate_size: int = 0    # 0: no shared expert (Qwen3-MoE)
+  norm_topk_prob: bool = False
+  decoder_sparse_step: int = 1
+  mlp_only_layers: tuple = ()
+  # Qwen3 attention: RMSNorm over head_dim on every q and k head, before RoPE.
+  qk_norm: bool = False
+  moe_impl: str = "auto"
+  moe_capacity_factor: float | None = None
+  router_aux_loss_coef: float = 0.001
+  router_z_loss_coef: float = 0.0
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -167,6 +190,66 @@ class ModelConfig:
       raise _fail("param_dtype", f"must be one of {tuple(DTYPES)}", self.param_dtype)
     _check_optional_token("bos_token_id", self.bos_token_id)
     _check_optional_token("eos_token_id", self.eos_token_id)
+    if not isinstance(self.qk_norm, bool):
+      raise _fail("qk_norm", "must be a bool", self.qk_norm)
+    self._check_moe()
+
+  def _check_moe(self) -> None:
+    for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                 "shared_expert_intermediate_size"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _fail(name, "must be an int >= 0", value)
+    object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+    if self.moe_impl not in MOE_IMPLS:
+      raise _fail("moe_impl", f"must be one of {MOE_IMPLS}", self.moe_impl)
+    for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise _fail(name, "must be a number >= 0", value)
+    if self.num_experts == 0:
+      return
+    _check_positive_int("decoder_sparse_step", self.decoder_sparse_step)
+    if not 1 <= self.num_experts_per_tok <= self.num_experts:
+      raise _fail("num_experts_per_tok", f"must be in [1, num_experts={self.num_experts}]",
+                  self.num_experts_per_tok)
+    _check_positive_int("moe_intermediate_size", self.moe_intermediate_size)
+    if not isinstance(self.norm_topk_prob, bool):
+      raise _fail("norm_topk_prob", "must be a bool", self.norm_topk_prob)
+    bad = [i for i in self.mlp_only_layers
+           if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers]
+    if bad:
+      raise _fail("mlp_only_layers", f"must hold layer indices in [0, {self.num_layers})", self.mlp_only_layers)
+    cf = self.moe_capacity_factor
+    if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf <= 0):
+      raise _fail("moe_capacity_factor", "must be None (dropless) or a number > 0", cf)
+
+  @property
+  def is_moe(self) -> bool:
+    return self.num_experts > 0 and "moe" in self.layer_kinds
+
+  @property
+  def layer_kinds(self) -> tuple[str, ...]:
+    """'moe' or 'dense' per layer, by HF's rule (see the field comments)."""
+    def kind(i):
+      sparse = (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+      return "moe" if sparse else "dense"
+    return tuple(kind(i) for i in range(self.num_layers))
+
+  @property
+  def layer_stacks(self) -> tuple[tuple[str, int], ...]:
+    """Per layer, (stacked param tree, index in it): 'layers' holds every layer of the first kind;
+    a model mixing dense and sparse layers keeps its dense ones in 'dense_layers'."""
+    kinds = self.layer_kinds
+    main = kinds[0] if len(set(kinds)) == 1 else "moe"
+    counts = {"layers": 0, "dense_layers": 0}
+    out = []
+    for k in kinds:
+      name = "layers" if k == main else "dense_layers"
+      out.append((name, counts[name]))
+      counts[name] += 1
+    return tuple(out)
 
   def _resolve_head_dim(self) -> None:
     if self.head_dim is None:

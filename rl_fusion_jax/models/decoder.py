@@ -7,6 +7,7 @@ under `jit` is a trace-time rebinding, never a copy. This module must not place 
 """
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import math
@@ -18,11 +19,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from rl_fusion_jax.models import moe
 from rl_fusion_jax.models.config import ModelConfig
 from rl_fusion_jax.models.layers import (F32, PROJ_NAME, DecoderLayer, RMSNorm, make_param,
                                           mixed_matmul)
 
 Params = dict[str, Any]
+# The stacked layer trees: every path under one of these has a leading layer axis.
+STACKS = ("layers", "dense_layers")
 
 
 class Embed(nnx.Module):
@@ -42,13 +46,26 @@ REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable
                   "matmuls": jax.checkpoint_policies.save_only_these_names(PROJ_NAME)}
 
 
-def _stacked_layers(cfg: ModelConfig, init_std: float, rngs: nnx.Rngs) -> DecoderLayer:
-  """`num_layers` blocks as one module whose params carry a leading 'layers' axis (logical name too)."""
-  @nnx.split_rngs(splits=cfg.num_layers)
-  @nnx.vmap(in_axes=0, out_axes=0, axis_size=cfg.num_layers,
-            transform_metadata={nnx.PARTITION_NAME: "layers"})
+def _scan(graphdef, state, step, carry, first: int, count: int, remat: str, unroll: int):
+  """One `lax.scan` of `step` over `count` stacked layers (global indices first, first + 1, ...)."""
+  def body(carry, xs):
+    layer_state, index = xs
+    return step(nnx.merge(graphdef, layer_state), carry, index), None
+
+  if remat != "none":
+    body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+  indices = jnp.arange(first, first + count, dtype=jnp.int32)
+  carry, _ = jax.lax.scan(body, carry, (state, indices), unroll=min(unroll or _default_unroll(count), count))
+  return carry
+
+
+def _stacked_layers(cfg: ModelConfig, count: int, sparse: bool, init_std: float,
+                    rngs: nnx.Rngs) -> DecoderLayer:
+  """`count` blocks as one module whose params carry a leading 'layers' axis (logical name too)."""
+  @nnx.split_rngs(splits=count)
+  @nnx.vmap(in_axes=0, out_axes=0, axis_size=count, transform_metadata={nnx.PARTITION_NAME: "layers"})
   def make(rngs):
-    return DecoderLayer(cfg, init_std=init_std, rngs=rngs)
+    return DecoderLayer(cfg, init_std=init_std, rngs=rngs, sparse=sparse)
   return make(rngs)
 
 
@@ -57,46 +74,75 @@ def _default_unroll(num_layers: int) -> int:
   return num_layers if jax.default_backend() == "cpu" else 1
 
 
+def layer_runs(stacks: tuple[tuple[str, int], ...]) -> list[tuple[str, int, int, int]]:
+  """Maximal runs of consecutive layers in one stack: (stack, first index in it, count, first layer)."""
+  runs: list[list] = []
+  for layer, (name, index) in enumerate(stacks):
+    if runs and runs[-1][0] == name and runs[-1][1] + runs[-1][2] == index:
+      runs[-1][2] += 1
+    else:
+      runs.append([name, index, 1, layer])
+  return [tuple(r) for r in runs]
+
+
 class Decoder(nnx.Module):
   """Token embedding, `num_layers` blocks stacked in `layers` (run by `lax.scan`), final norm, lm head.
 
-  With `tie_word_embeddings` there is no `lm_head`: logits use the embedding transposed.
+  With `tie_word_embeddings` there is no `lm_head`: logits use the embedding transposed. A model mixing
+  dense and sparse (MoE) blocks keeps its sparse blocks in `layers` and its dense ones in `dense_layers`
+  (`ModelConfig.layer_stacks`); each run of consecutive blocks of one kind is its own scan.
   """
 
   def __init__(self, cfg: ModelConfig, *, init_std: float = 0.02, rngs: nnx.Rngs):
     self.num_layers, self.remat, self.scan_unroll = cfg.num_layers, cfg.remat, cfg.scan_unroll
     self.dtype, self.matmul_dtype = cfg.compute_dtype, cfg.matmul_dtype
+    self.layer_stacks, self.num_experts = cfg.layer_stacks, cfg.num_experts
     self.embed = Embed(cfg, init_std=init_std, rngs=rngs)
-    self.layers = _stacked_layers(cfg, init_std, rngs)
+    counts = collections.Counter(name for name, _ in cfg.layer_stacks)
+    main_sparse = "moe" in cfg.layer_kinds
+    self.layers = _stacked_layers(cfg, counts["layers"], main_sparse, init_std, rngs)
+    if counts["dense_layers"]:
+      self.dense_layers = _stacked_layers(cfg, counts["dense_layers"], False, init_std, rngs)
     self.final_norm = RMSNorm(cfg, rngs=rngs)
     if not cfg.tie_word_embeddings:
       self.lm_head = LMHead(cfg, init_std=init_std, rngs=rngs)
 
   def scan_layers(self, step: Callable[[DecoderLayer, Any, jax.Array], Any], carry: Any, *,
                   differentiable: bool = True) -> Any:
-    """Folds `carry = step(layer_i, carry, i)` over the layers with `lax.scan` (one traced layer;
-    `scan_unroll` layers per loop iteration).
+    """Folds `carry = step(layer_i, carry, i)` over the layers in order with `lax.scan` (one traced layer
+    per run of `layer_runs`; `scan_unroll` layers per loop iteration); `i` is the global layer index.
 
     Where the result is differentiated, each layer is rematerialized under the `remat` policy;
     `differentiable=False` (cached decoding) skips the checkpoint wrapper.
     """
-    graphdef, state = nnx.split(self.layers)
-
-    def body(carry, xs):
-      layer_state, index = xs
-      return step(nnx.merge(graphdef, layer_state), carry, index), None
-
-    policy = REMAT_POLICIES[self.remat]
-    if differentiable and self.remat != "none":
-      body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    carry, _ = jax.lax.scan(body, carry, (state, jnp.arange(self.num_layers, dtype=jnp.int32)),
-                            unroll=min(self.scan_unroll or _default_unroll(self.num_layers), self.num_layers))
+    for name, start, count, first in layer_runs(self.layer_stacks):
+      graphdef, state = nnx.split(getattr(self, name))
+      total = jax.tree.leaves(state)[0].shape[0]
+      if count != total:
+        state = jax.tree.map(lambda x: jax.lax.slice_in_dim(x, start, start + count), state)
+      carry = _scan(graphdef, state, step, carry, first, count,
+                    self.remat if differentiable else "none", self.scan_unroll)
     return carry
+
+  def hidden_with_aux(self, tokens_bt, positions_bt, mask_btt, valid_bt=None) -> tuple[jax.Array, dict]:
+    """`hidden` and the router aux (`moe.AUX_KEYS`, means over the sparse layers; {} for a dense model)."""
+    x_btd = self.embed_tokens(tokens_bt)
+    num_sparse = sum(name == "layers" for name, _ in self.layer_stacks) if self.num_experts else 0
+    acc = moe.empty_aux(self.num_experts) if num_sparse else {}
+
+    def step(layer, carry, _):
+      x_btd, acc = carry
+      x_btd, aux = layer.call_with_aux(x_btd, positions_bt, mask_btt, valid_bt)
+      return x_btd, ({k: acc[k] + aux[k] for k in acc} if aux else acc)
+
+    x_btd, acc = self.scan_layers(step, (x_btd, acc))
+    return self.final_norm(x_btd), {k: v / num_sparse for k, v in acc.items()}
 
   def layer(self, index: int) -> DecoderLayer:
     """Block `index` on its own (its slice of the stacked params), e.g. to inspect one layer."""
-    graphdef, state = nnx.split(self.layers)
-    return nnx.merge(graphdef, jax.tree.map(lambda x: x[index], state))
+    name, i = self.layer_stacks[index]
+    graphdef, state = nnx.split(getattr(self, name))
+    return nnx.merge(graphdef, jax.tree.map(lambda x: x[i], state))
 
   def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
     # Gather first, then cast: never materializes a converted copy of the whole table.
@@ -104,6 +150,8 @@ class Decoder(nnx.Module):
 
   def hidden(self, tokens_bt, positions_bt, mask_btt) -> jax.Array:
     """The final-norm hidden states [B, T, D] in the compute dtype (what the lm head reads)."""
+    if self.num_experts:
+      return self.hidden_with_aux(tokens_bt, positions_bt, mask_btt)[0]
     x_btd = self.embed_tokens(tokens_bt)
     x_btd = self.scan_layers(lambda layer, x, _: layer(x, positions_bt, mask_btt), x_btd)
     return self.final_norm(x_btd)
@@ -224,9 +272,9 @@ def _per_layer_order(normal_shapes: dict[tuple, tuple[int, ...]], num_layers: in
   """
   groups: dict[str, dict[tuple, tuple[int, ...]]] = {}
   for path, shape in normal_shapes.items():
-    if path[0] == "layers":
-      for i in range(num_layers):
-        groups.setdefault(f"layers_{i}", {})[(f"layers_{i}",) + path[1:]] = shape[1:]
+    if path[0] in STACKS:
+      for i in range(shape[0]):
+        groups.setdefault(f"{path[0]}_{i}", {})[(f"{path[0]}_{i}",) + path[1:]] = shape[1:]
     else:
       groups.setdefault(path[0], {})[path] = shape
   return {p: shape for name in sorted(groups) for p, shape in groups[name].items()}
@@ -249,8 +297,8 @@ def _init_params(cfg: ModelConfig, rng: jax.Array, init_std: float) -> Params:
       drawn[path] = noise[offset:offset + size].reshape(normal_shapes[path])
   for path, leaf in leaves.items():
     if rules[path] == "normal":
-      x = (jnp.stack([drawn[(f"layers_{i}",) + path[1:]] for i in range(cfg.num_layers)])
-           if path[0] == "layers" else drawn[path])
+      x = (jnp.stack([drawn[(f"{path[0]}_{i}",) + path[1:]] for i in range(leaf.shape[0])])
+           if path[0] in STACKS else drawn[path])
       flat[path] = x.astype(leaf.dtype)
   return unflatten({p: flat[p] for p in leaves})
 
@@ -322,3 +370,16 @@ def hidden(cfg: ModelConfig, params: Params, tokens_bt: Int[Array, "B T"], *,
     positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
   model = bind(cfg, params)
   return model.hidden(tokens_bt, positions_bt, attention_mask(positions_bt, segment_ids_bt))
+
+
+def hidden_with_aux(cfg: ModelConfig, params: Params, tokens_bt: Int[Array, "B T"], *,
+                    positions_bt: Int[Array, "B T"] | None = None,
+                    segment_ids_bt: Int[Array, "B T"] | None = None) -> tuple[Float[Array, "B T D"], dict]:
+  """`hidden` and the MoE router aux ({} for a dense model): `moe.AUX_KEYS`, averaged over the sparse
+  layers, over the tokens whose segment id is not 0 (padding) when segment ids are given."""
+  _check_tokens(tokens_bt, positions_bt=positions_bt, segment_ids_bt=segment_ids_bt)
+  if positions_bt is None:
+    positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
+  valid_bt = None if segment_ids_bt is None else segment_ids_bt != 0
+  model = bind(cfg, params)
+  return model.hidden_with_aux(tokens_bt, positions_bt, attention_mask(positions_bt, segment_ids_bt), valid_bt)

@@ -43,9 +43,9 @@ def make_param(rngs: nnx.Rngs, init: str, shape: tuple[int, ...], axes: tuple, d
 class RMSNorm(nnx.Module):
   """x * rsqrt(mean(x^2) + eps) * scale, normalized in float32 and cast back before the scale (as HF)."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, size: int | None = None, axis: str = "norm"):
     self.eps = cfg.rms_norm_eps
-    self.scale = make_param(rngs, "ones", (cfg.hidden_size,), ("norm",), cfg.weight_dtype)
+    self.scale = make_param(rngs, "ones", (size or cfg.hidden_size,), (axis,), cfg.weight_dtype)
 
   def __call__(self, x_btd: jax.Array) -> jax.Array:
     x32_btd = x_btd.astype(F32)
@@ -112,7 +112,11 @@ def attend(q_btnh: jax.Array, k: jax.Array, v: jax.Array, mask_bts: jax.Array,
 
 
 class Attention(nnx.Module):
-  """q/k/v projections (+ optional biases) with RoPE, and the output projection (never biased)."""
+  """q/k/v projections (+ optional biases) with RoPE, and the output projection (never biased).
+
+  With `qk_norm` (Qwen3) every q and k head is RMS-normalised over head_dim (one scale per head_dim
+  entry, shared by the heads) before RoPE.
+  """
 
   def __init__(self, cfg: ModelConfig, *, init_std: float, rngs: nnx.Rngs):
     d, n, k, h, wd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.weight_dtype
@@ -124,12 +128,17 @@ class Attention(nnx.Module):
     self.k_proj = Projection(rngs, init_std, (d, k, h), ("embed", "kv_heads", "head_dim"), wd, bias)
     self.v_proj = Projection(rngs, init_std, (d, k, h), ("embed", "kv_heads", "head_dim"), wd, bias)
     self.o_proj = Projection(rngs, init_std, (n, h, d), ("q_heads", "head_dim", "embed"), wd, None)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(cfg, rngs=rngs, size=h, axis="head_dim")
+      self.k_norm = RMSNorm(cfg, rngs=rngs, size=h, axis="head_dim")
 
   def qkv(self, x_btd: jax.Array, positions_bt: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Returns q [B,T,N,H] and k, v [B,T,K,H] in the compute dtype, RoPE applied to q and k."""
     q_btnh = self.q_proj(x_btd, "BTD,DNH->BTNH", self.dtype, self.matmul_dtype)
     k_btkh = self.k_proj(x_btd, "BTD,DKH->BTKH", self.dtype, self.matmul_dtype)
     v_btkh = self.v_proj(x_btd, "BTD,DKH->BTKH", self.dtype, self.matmul_dtype)
+    if hasattr(self, "q_norm"):
+      q_btnh, k_btkh = self.q_norm(q_btnh), self.k_norm(k_btkh)
     return (apply_rope(q_btnh, positions_bt, self.inv_freq_h),
             apply_rope(k_btkh, positions_bt, self.inv_freq_h), v_btkh)
 
@@ -240,22 +249,38 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-  """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)).
+  """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); `sparse` blocks have a `moe` (models/moe.py)
+  where dense ones have an `mlp`.
 
   `__call__` attends over the block's own keys; `with_cache` first writes them into a stacked KV cache
   and attends over that layer's cache entries instead (prefill and decode share it).
   """
 
-  def __init__(self, cfg: ModelConfig, *, init_std: float, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, init_std: float, rngs: nnx.Rngs, sparse: bool = False):
     self.input_norm = RMSNorm(cfg, rngs=rngs)
     self.attn = Attention(cfg, init_std=init_std, rngs=rngs)
     self.post_attn_norm = RMSNorm(cfg, rngs=rngs)
-    self.mlp = MLP(cfg, init_std=init_std, rngs=rngs)
+    if sparse:
+      from rl_fusion_jax.models.moe import MoE  # pylint: disable=import-outside-toplevel
+      self.moe = MoE(cfg, init_std=init_std, rngs=rngs)
+    else:
+      self.mlp = MLP(cfg, init_std=init_std, rngs=rngs)
+
+  def ffn(self, x_btd: jax.Array, valid_bt: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """(MLP or MoE output, the MoE's aux dict: empty for a dense block)."""
+    if hasattr(self, "moe"):
+      return self.moe(x_btd, valid_bt)
+    return self.mlp(x_btd), {}
 
   def __call__(self, x_btd: jax.Array, positions_bt: jax.Array, mask_btt: jax.Array) -> jax.Array:
+    return self.call_with_aux(x_btd, positions_bt, mask_btt)[0]
+
+  def call_with_aux(self, x_btd, positions_bt, mask_btt, valid_bt=None) -> tuple[jax.Array, dict]:
+    """`__call__` that also returns the sparse block's router aux over ``valid_bt`` tokens ({} if dense)."""
     q_btnh, k_btkh, v_btkh = self.attn.qkv(self.input_norm(x_btd), positions_bt)
     x_btd = x_btd + self.attn.out(attend(q_btnh, k_btkh, v_btkh, mask_btt))
-    return x_btd + self.mlp(self.post_attn_norm(x_btd))
+    y_btd, aux = self.ffn(self.post_attn_norm(x_btd), valid_bt)
+    return x_btd + y_btd, aux
 
   def with_cache(self, x_btd, positions_bt, mask_bts, cache, layer, write_bt):
     """Like `__call__`, reading and writing layer `layer` (an int or a traced scalar) of `cache`
@@ -266,7 +291,7 @@ class DecoderLayer(nnx.Module):
     attn_btnh = attend(q_btnh, cache["k"][layer].astype(q_btnh.dtype),
                        cache["v"][layer].astype(q_btnh.dtype), mask_bts, kv_axes="BKSH")
     x_btd = x_btd + self.attn.out(attn_btnh)
-    return x_btd + self.mlp(self.post_attn_norm(x_btd)), cache
+    return x_btd + self.ffn(self.post_attn_norm(x_btd))[0], cache
 
 
 def write_rows(cache_lbksh: jax.Array, layer, write_bt: jax.Array, new_btkh: jax.Array) -> jax.Array:

@@ -32,6 +32,11 @@ TRAIN_RULES: Rules = (
     ("norm", None),
     # The stacked layer axis of scanned blocks: never split (each device runs every layer).
     ("layers", None),
+    # MoE: experts over the batch axes (EP = data x fsdp; tokens travel to their experts' devices, see
+    # sharding/expert_parallel.py), each expert's hidden dim over tensor; the router is tiny: replicated.
+    ("expert", ("data", "fsdp")),
+    ("moe_mlp", "tensor"),
+    ("router", None),
     # KV cache [layers, cache_batch, kv_heads, cache_seq, head_dim] (the names above serve it too): rows
     # over the batch axes like every batch (sharding.mesh.BATCH_AXES), positions never split.
     ("cache_batch", ("data", "fsdp")),
@@ -47,6 +52,9 @@ GENERATE_RULES: Rules = (
     ("mlp", "tensor"),
     ("norm", None),
     ("layers", None),
+    ("expert", "fsdp"),       # EP = fsdp inside each data replica: fewer experts per device move in
+    ("moe_mlp", "tensor"),
+    ("router", None),
     ("cache_batch", ("data", "fsdp")),   # fsdp holds no params here, so its devices take their own rows
     ("cache_seq", None),
 )
