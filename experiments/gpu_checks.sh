@@ -9,7 +9,8 @@
 # (seconds, bytes, peak device memory from the allocator), decode tokens/s against the HBM roofline, and
 # the tiny-grpo step time, and a GRPO step at Qwen2.5-1.5B shapes (random init, float32 master weights,
 # bfloat16 compute, remat full, chunked log-probs): step time, train MFU against the H200's bfloat16 peak,
-# and 1.5B decode tokens/s against the HBM roofline.
+# and 1.5B decode tokens/s against the HBM roofline; MoE forward / backward tokens/s against a dense model
+# of equal active parameters (ragged_dot, the non-CPU default, and the blocked and capacity variants).
 set -uo pipefail
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -30,3 +31,5 @@ python3 experiments/benchmark_main.py --config=experiments/configs/tiny_grpo.py 
   --config.model.scan_unroll=1 --config.model.logits_chunk=1024
 python3 experiments/benchmark_generate_main.py --preset=1.5b --dtype=bfloat16 --slots=256 --samples=1024 \
   --max_new_tokens=512 --median_len=64 --chunk=64 --prefill_rows=64 --repeats=1
+python3 experiments/benchmark_moe_main.py --hidden=1024 --layers=8 --experts=16 --top_k=2 --expert_hidden=1024 \
+  --batch=32 --seq=512 --repeats=5

@@ -19,7 +19,11 @@ Variants in this file: ``--config=...arithmetic.py:ppo`` (PPO: a critic initiali
 policy and GAE, gamma = lambda = 1), ``:dapo`` (dynamic sampling, clip-higher 0.28, soft overlong
 penalty over the last 2 tokens), ``:drgrpo`` (Dr. GRPO advantages and aggregation), ``:kl`` (k3 KL
 penalty against the warm-up policy), ``:stalesync`` (StaleSync with max_staleness 1 and
-rollout_fraction 0.5: 32 groups outstanding, 16 trained per update, decoupled-PPO off-policy correction).
+rollout_fraction 0.5: 32 groups outstanding, 16 trained per update, decoupled-PPO off-policy correction),
+``:moe`` (a Qwen3-MoE-style policy: 8 experts of hidden 96, top-2 with renormalised weights, q/k norm,
+load-balance loss 0.01 and z-loss 1e-3; experts over data x fsdp while training and over fsdp while
+generating, so on the 2-device CPU default each device holds 4 experts in training and all 8 while
+generating). Append ``,stalesync`` (``:moe,stalesync``) to combine it with the StaleSync variant.
 """
 import ml_collections
 
@@ -35,9 +39,20 @@ def model(vocab_size=128, hidden=128, layers=4, heads=4, kv_heads=2, mlp=384):
       remat="none", scan_unroll=layers, logits_chunk=8192))
 
 
+def moe_model(**over):
+  """The main job's model with every MLP a mixture of 8 experts (top-2, 2 x 96 active hidden units)."""
+  m = model(**over)
+  m.update(model_type="qwen3_moe", qkv_bias=False, qk_norm=True, num_experts=8, num_experts_per_tok=2,
+           moe_intermediate_size=96, norm_topk_prob=True, router_aux_loss_coef=0.01, router_z_loss_coef=1e-3)
+  return m
+
+
 def get_config(arg: str = ""):
   c = ml_collections.ConfigDict()
-  c.model = model()
+  variants = [a for a in arg.split(",") if a]
+  moe = "moe" in variants
+  arg = ",".join(a for a in variants if a != "moe")
+  c.model = moe_model() if moe else model()
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, cpu_devices=0))
   c.fusion = ml_collections.ConfigDict(dict(
       mode="colocated", rollout_fraction=0.5, aux_devices=1, bucket_bytes=64 << 20,

@@ -29,5 +29,13 @@ def tiny_dict(**overrides: Any) -> dict[str, Any]:
   return c
 
 
+# The tiny model as a Qwen3-MoE-style policy: 8 experts (E divides data x fsdp = 8 on the test mesh),
+# top-2 of hidden 16, renormalised weights, q/k norm, both router losses on.
+TINY_MOE = {"model.model_type": "qwen3_moe", "model.qkv_bias": False, "model.qk_norm": True,
+            "model.num_experts": 8, "model.num_experts_per_tok": 2, "model.moe_intermediate_size": 16,
+            "model.norm_topk_prob": True, "model.router_aux_loss_coef": 0.01,
+            "model.router_z_loss_coef": 0.001}
+
+
 def tiny(**overrides: Any) -> config_lib.ExperimentConfig:
   return config_lib.experiment_from_dict(tiny_dict(**overrides))

@@ -55,14 +55,17 @@ def head_logprobs(model_cfg: models.ModelConfig, params, hidden_nd: jax.Array, t
 
 
 def token_logprobs(model_cfg: models.ModelConfig, params, tokens_bt: jax.Array, temperature: float = 1.0,
-                   *, with_entropy: bool = False):
+                   *, with_entropy: bool = False, with_aux: bool = False):
   """logp_bt[b, t] = log pi(tokens[b, t] | tokens[b, :t]) with logits / temperature; 0 at t = 0.
 
   Returns ``logp_bt`` or ``(logp_bt, entropy_bt)``; entropy_bt[b, t] is the entropy of the distribution
   that token t was drawn from. Both float32 [B, T], aligned with ``tokens_bt``. The lm head runs
-  ``model_cfg.logits_chunk`` tokens at a time (`head_logprobs`).
+  ``model_cfg.logits_chunk`` tokens at a time (`head_logprobs`). With ``with_aux`` the MoE router aux
+  (`decoder.hidden_with_aux`; {} for a dense model) is appended to the returned tuple.
   """
-  hidden_btd = decoder.hidden(model_cfg, params, tokens_bt[:, :-1])
+  hidden_btd, aux = decoder.hidden_with_aux(model_cfg, params, tokens_bt[:, :-1])
   outs = head_logprobs(model_cfg, params, hidden_btd, tokens_bt[:, 1:], temperature, with_entropy=with_entropy)
   pad = lambda x_bt: jnp.pad(x_bt, ((0, 0), (1, 0)))
-  return (pad(outs[0]), pad(outs[1])) if with_entropy else pad(outs)
+  outs = (pad(outs[0]), pad(outs[1])) if with_entropy else (pad(outs),)
+  outs += (aux,) if with_aux else ()
+  return outs if len(outs) > 1 else outs[0]

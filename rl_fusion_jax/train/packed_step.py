@@ -76,19 +76,20 @@ def device_batch(mesh: Mesh, packed: packing.PackedBatch) -> PackedTrainBatch:
 
 def packed_token_logprobs(model_cfg: models.ModelConfig, params, tokens_rw: Int[Array, "R W"],
                           positions_rw: Int[Array, "R W"], segment_ids_rw: Int[Array, "R W"],
-                          temperature: float = 1.0) -> tuple[Float[Array, "R W"], Float[Array, "R W"]]:
+                          temperature: float = 1.0, *, with_aux: bool = False):
   """(logp_rw, entropy_rw) of packed rows, aligned with ``tokens_rw``; both 0 where position == 0.
 
   logp_rw[r, w] = log pi(token w | the earlier tokens of its own sample), as ``token_logprobs`` on the
-  sample's own padded row.
+  sample's own padded row. With ``with_aux`` the MoE router aux over the non-padding tokens is appended.
   """
-  hidden_rwd = decoder.hidden(model_cfg, params, tokens_rw[:, :-1], positions_bt=positions_rw[:, :-1],
-                              segment_ids_bt=segment_ids_rw[:, :-1])
+  hidden_rwd, aux = decoder.hidden_with_aux(model_cfg, params, tokens_rw[:, :-1],
+                                            positions_bt=positions_rw[:, :-1],
+                                            segment_ids_bt=segment_ids_rw[:, :-1])
   logp_rw, entropy_rw = head_logprobs(model_cfg, params, hidden_rwd, tokens_rw[:, 1:], temperature,
                                       with_entropy=True)
   starts_rw = positions_rw[:, 1:] == 0    # the target opens a sample (or is padding): nothing predicts it
   pad = lambda x_rw: jnp.pad(jnp.where(starts_rw, 0.0, x_rw), ((0, 0), (1, 0)))
-  return pad(logp_rw), pad(entropy_rw)
+  return (pad(logp_rw), pad(entropy_rw)) + ((aux,) if with_aux else ())
 
 
 def sample_token_counts(mask_rw: Float[Array, "R W"], segment_ids_rw: Int[Array, "R W"]
@@ -124,12 +125,13 @@ def packed_token_weights(mask_rw: Float[Array, "R W"], segment_ids_rw: Int[Array
 
 def packed_rl_loss(model_cfg: models.ModelConfig, algo: AlgoConfig, temperature: float, params,
                    batch: PackedTrainBatch, weights):
-  """``step.rl_loss`` on packed rows."""
-  logp_rw, entropy_rw = packed_token_logprobs(model_cfg, params, batch.tokens_rw, batch.positions_rw,
-                                              batch.segment_ids_rw, temperature)
-  return step_lib.rl_loss_from_logprobs(
+  """``step.rl_loss`` on packed rows (router aux over the non-padding tokens)."""
+  logp_rw, entropy_rw, aux = packed_token_logprobs(model_cfg, params, batch.tokens_rw, batch.positions_rw,
+                                                   batch.segment_ids_rw, temperature, with_aux=True)
+  loss, sums = step_lib.rl_loss_from_logprobs(
       algo, logp_rw, entropy_rw, behaviour_logp_bt=batch.behaviour_logp_rw, advantages=batch.advantages_rw,
       mask_bt=batch.mask_rw, ref_logp_bt=batch.ref_logp_rw, weights=weights)
+  return step_lib.add_router_aux(model_cfg, loss, sums, aux, weights)
 
 
 def packed_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: step_lib.MicroBatching,

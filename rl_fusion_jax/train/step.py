@@ -187,11 +187,38 @@ def update(loss_fn: LossFn, tx: optax.GradientTransformation, num_micro: int, me
 
 def rl_loss(model_cfg: models.ModelConfig, algo: AlgoConfig, temperature: float,
             params, batch: TrainBatch, weights):
-  """Policy loss + optional KL and entropy terms, aggregated with the precomputed token weights."""
-  logp_bt, entropy_bt = token_logprobs(model_cfg, params, batch.tokens_bt, temperature, with_entropy=True)
-  return rl_loss_from_logprobs(algo, logp_bt, entropy_bt, behaviour_logp_bt=batch.behaviour_logp_bt,
-                               advantages=batch.advantages_bt, mask_bt=batch.mask_bt,
-                               ref_logp_bt=batch.ref_logp_bt, weights=weights)
+  """Policy loss + optional KL and entropy terms, aggregated with the precomputed token weights; for an
+  MoE policy plus the router's auxiliary losses (`router_aux_loss`; padded rows route their padding too)."""
+  logp_bt, entropy_bt, aux = token_logprobs(model_cfg, params, batch.tokens_bt, temperature,
+                                            with_entropy=True, with_aux=True)
+  loss, sums = rl_loss_from_logprobs(algo, logp_bt, entropy_bt, behaviour_logp_bt=batch.behaviour_logp_bt,
+                                     advantages=batch.advantages_bt, mask_bt=batch.mask_bt,
+                                     ref_logp_bt=batch.ref_logp_bt, weights=weights)
+  return add_router_aux(model_cfg, loss, sums, aux, weights)
+
+
+def add_router_aux(model_cfg: models.ModelConfig, loss, sums, aux, weights):
+  """``loss`` + this micro-batch's share of the MoE router losses, with their metrics (`moe/...`).
+
+  The share is the micro-batch's fraction of the batch's loss tokens (its metric weights' sum), so the
+  terms summed over micro-batches are the token-weighted mean over the batch:
+  ``router_aux_loss_coef * load_balance_loss + router_z_loss_coef * router_z_loss`` (models/moe.py).
+  Metrics: both losses, the dropped fraction, and ``moe/expert_load/e{i}``: the fraction of routed
+  assignments expert i received (averaged over the sparse layers; 1 / num_experts at perfect balance).
+  No-op for a dense model (``aux`` empty).
+  """
+  if not aux:
+    return loss, sums
+  share = jax.lax.stop_gradient(jnp.sum(weights[1]))
+  term = (model_cfg.router_aux_loss_coef * aux["load_balance_loss"]
+          + model_cfg.router_z_loss_coef * aux["router_z_loss"])
+  loss = loss + share * term
+  sums = dict(sums, loss=loss)
+  for key in ("load_balance_loss", "router_z_loss", "dropped_fraction"):
+    sums[f"moe/{key}"] = share * jax.lax.stop_gradient(aux[key])
+  for i in range(aux["expert_load"].shape[0]):
+    sums[f"moe/expert_load/e{i}"] = share * jax.lax.stop_gradient(aux["expert_load"][i])
+  return loss, sums
 
 
 def rl_loss_from_logprobs(algo: AlgoConfig, logp_bt, entropy_bt, *, behaviour_logp_bt, advantages, mask_bt,
@@ -225,12 +252,13 @@ def rl_loss_from_logprobs(algo: AlgoConfig, logp_bt, entropy_bt, *, behaviour_lo
 
 
 def sft_loss(model_cfg: models.ModelConfig, params, batch, weights):
-  """Token-level cross-entropy on the masked (target) tokens of ``batch = (tokens_bt, mask_bt)``."""
+  """Token-level cross-entropy on the masked (target) tokens of ``batch = (tokens_bt, mask_bt)``, plus the
+  router's auxiliary losses for an MoE model (`add_router_aux`)."""
   tokens_bt, _ = batch
   loss_w_bt, _ = weights
-  logp_bt = token_logprobs(model_cfg, params, tokens_bt)
+  logp_bt, aux = token_logprobs(model_cfg, params, tokens_bt, with_aux=True)
   loss = -jnp.sum(logp_bt * loss_w_bt)
-  return loss, {"loss": loss}
+  return add_router_aux(model_cfg, loss, {"loss": loss}, aux, weights)
 
 
 def _metric_weights(mask_bt):
