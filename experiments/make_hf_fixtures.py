@@ -13,6 +13,7 @@ a missing bias or a misplaced norm changes the logits by far more than the 1e-4 
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -90,12 +91,80 @@ FIXTURES = {
             original_max_position_embeddings=64,
         ),
     ),
+    # Qwen3 (dense): per-head q/k RMSNorm, no biases, GQA 4:2, head_dim 16 != hidden_size / heads = 8.
+    "qwen3_f32": dict(
+        model_type="qwen3",
+        vocab_size=80,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        dtype="float32",
+    ),
+    # Qwen2-MoE: 8 experts, top-2, no renormalisation, shared expert behind its sigmoid gate, q/k/v biases.
+    # mlp_only_layers=[2] makes layer 2 a dense MLP (intermediate_size), so both of our stacks exist and
+    # global layer 3 is index 2 of `layers`.
+    "qwen2_moe_f32": dict(
+        model_type="qwen2_moe",
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[2],
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        dtype="float32",
+    ),
+    # Qwen3-MoE: bfloat16 weights, 4 experts, top-2 renormalised, no shared expert, q/k norm, tied head;
+    # every layer sparse (as in the Hub's Qwen3-MoE models).
+    "qwen3_moe_bf16": dict(
+        model_type="qwen3_moe",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        dtype="bfloat16",
+    ),
 }
 REFERENCE_SHAPE = (2, 20)  # (batch, tokens) of the reference inputs
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out_dir", "rl_fusion_jax/testing/hf_fixtures", "Where the fixture folders go.")
-flags.DEFINE_list("only", [], "Names of FIXTURES to (re)build; all when empty.")
+
+
+def define_flags() -> None:
+  """The binary's flags; defined only when it runs, since tests load this file by path (more than one
+  test module may, in one process, and absl refuses a flag defined twice)."""
+  flags.DEFINE_string("out_dir", "rl_fusion_jax/testing/hf_fixtures", "Where the fixture folders go.")
+  flags.DEFINE_list("only", [], "Names of FIXTURES to (re)build; all when empty.")
 
 
 def _dtype_kwarg(torch_dtype) -> dict:
@@ -106,13 +175,24 @@ def _dtype_kwarg(torch_dtype) -> dict:
   return {"dtype": torch_dtype} if major >= 5 else {"torch_dtype": torch_dtype}
 
 
+def _implementation_kwargs(model_type: str) -> dict:
+  """Eager attention; for MoE models on transformers 5 also the eager expert loop (one expert at a time,
+  the plainest reference) instead of the default grouped matmul."""
+  import transformers  # pylint: disable=import-outside-toplevel
+
+  kwargs = {"attn_implementation": "eager"}
+  if model_type.endswith("_moe") and int(transformers.__version__.split(".")[0]) >= 5:
+    kwargs["experts_implementation"] = "eager"
+  return kwargs
+
+
 def build_model(spec: dict, seed: int):
   """A random float32 transformers model for `spec` (a FIXTURES entry), weights perturbed as described."""
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
 
   spec = {k: v for k, v in spec.items() if k != "dtype"}
-  config = transformers.AutoConfig.for_model(**spec, attn_implementation="eager")
+  config = transformers.AutoConfig.for_model(**spec, **_implementation_kwargs(spec["model_type"]))
   torch.manual_seed(seed)
   model = transformers.AutoModelForCausalLM.from_config(config, **_dtype_kwarg(torch.float32))
   gen = torch.Generator().manual_seed(seed)
@@ -133,8 +213,10 @@ def reference_logits(folder: str, tokens: np.ndarray) -> np.ndarray:
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
 
+  with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+    model_type = json.load(f)["model_type"]
   model = transformers.AutoModelForCausalLM.from_pretrained(
-      folder, attn_implementation="eager", **_dtype_kwarg(torch.float32)
+      folder, **_implementation_kwargs(model_type), **_dtype_kwarg(torch.float32)
   ).eval()
   with torch.no_grad():
     return model(torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
@@ -168,4 +250,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

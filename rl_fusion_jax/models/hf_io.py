@@ -1,10 +1,10 @@
 """Hugging Face safetensors checkpoints <-> (ModelConfig, params): `load_hf` and `save_hf`.
 
 `HF_NAMES` is the one table mapping our param paths to HF tensor names and layouts; which rows apply
-(biases, untied lm head) follows from the params of the config. Every error names the file and the
-tensor or key. Reads and writes go through `safetensors` with numpy only: this module never imports
-torch or transformers. `save_hf` writes into a temporary sibling folder and renames it into place, so
-a crash never leaves a half-written checkpoint behind.
+(biases, q/k norms, dense MLP or MoE block, shared expert, untied lm head) follows from the params of
+the config. Every error names the file and the tensor or key. Reads and writes go through `safetensors`
+with numpy only: this module never imports torch or transformers. `save_hf` writes into a temporary
+sibling folder and renames it into place, so a crash never leaves a half-written checkpoint behind.
 """
 from __future__ import annotations
 
@@ -23,14 +23,19 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from rl_fusion_jax.models.config import ModelConfig
-from rl_fusion_jax.models.decoder import (Params, abstract_params, check_params, flatten, path_str,
-                                          unflatten)
+from rl_fusion_jax.models.decoder import (STACKS, Params, abstract_params, check_params, flatten,
+                                          path_str, unflatten)
 
-# (our path, HF name, layout). Paths under "layers" are stacked over a leading layer axis: their HF
-# tensors are one per layer, `{i}` the layer index. Layouts (of one layer's slice):
+# (our path, HF name, layout). Paths under "layers" stand for both stacked trees (`decoder.STACKS`:
+# `layers`, and `dense_layers` in a model mixing dense and sparse blocks), each stacked over a leading
+# layer axis: their HF tensors are one per layer, `{i}` the global (HF) layer index of each stack entry
+# (`ModelConfig.layer_stacks`). Expert params are doubly indexed, [L, E, ...]: one HF tensor per layer
+# `{i}` and expert `{e}`. Layouts (of one layer's, or one expert's, slice):
 #   same:     identical arrays              linear:  ours [in, out]  <-> HF [out, in]
 #   in_heads: ours [D, N, H] <-> HF [N*H, D] out_heads: ours [N, H, D] <-> HF [D, N*H]
 #   bias:     ours [N, H]    <-> HF [N*H]
+_EXPERT = "model.layers.{i}.mlp.experts.{e}"
+_SHARED = "model.layers.{i}.mlp.shared_expert"
 HF_NAMES = (
     (("embed", "embedding"), "model.embed_tokens.weight", "same"),
     (("layers", "input_norm", "scale"), "model.layers.{i}.input_layernorm.weight", "same"),
@@ -41,10 +46,20 @@ HF_NAMES = (
     (("layers", "attn", "v_proj", "kernel"), "model.layers.{i}.self_attn.v_proj.weight", "in_heads"),
     (("layers", "attn", "v_proj", "bias"), "model.layers.{i}.self_attn.v_proj.bias", "bias"),
     (("layers", "attn", "o_proj", "kernel"), "model.layers.{i}.self_attn.o_proj.weight", "out_heads"),
+    (("layers", "attn", "q_norm", "scale"), "model.layers.{i}.self_attn.q_norm.weight", "same"),
+    (("layers", "attn", "k_norm", "scale"), "model.layers.{i}.self_attn.k_norm.weight", "same"),
     (("layers", "post_attn_norm", "scale"), "model.layers.{i}.post_attention_layernorm.weight", "same"),
     (("layers", "mlp", "gate_proj", "kernel"), "model.layers.{i}.mlp.gate_proj.weight", "linear"),
     (("layers", "mlp", "up_proj", "kernel"), "model.layers.{i}.mlp.up_proj.weight", "linear"),
     (("layers", "mlp", "down_proj", "kernel"), "model.layers.{i}.mlp.down_proj.weight", "linear"),
+    (("layers", "moe", "router"), "model.layers.{i}.mlp.gate.weight", "linear"),
+    (("layers", "moe", "experts", "gate_proj"), _EXPERT + ".gate_proj.weight", "linear"),
+    (("layers", "moe", "experts", "up_proj"), _EXPERT + ".up_proj.weight", "linear"),
+    (("layers", "moe", "experts", "down_proj"), _EXPERT + ".down_proj.weight", "linear"),
+    (("layers", "moe", "shared_expert", "gate_proj", "kernel"), _SHARED + ".gate_proj.weight", "linear"),
+    (("layers", "moe", "shared_expert", "up_proj", "kernel"), _SHARED + ".up_proj.weight", "linear"),
+    (("layers", "moe", "shared_expert", "down_proj", "kernel"), _SHARED + ".down_proj.weight", "linear"),
+    (("layers", "moe", "shared_expert_gate"), "model.layers.{i}.mlp.shared_expert_gate.weight", "linear"),
     (("final_norm", "scale"), "model.norm.weight", "same"),
     (("lm_head", "kernel"), "lm_head.weight", "linear"),
 )
@@ -54,29 +69,56 @@ NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfl
 
 @dataclasses.dataclass(frozen=True)
 class LeafNames:
-  """The HF tensors of one of our params: one name, or one per layer for a stacked (`layers`) param."""
+  """The HF tensors of one of our params: one name; one per layer for a stacked param; one per layer and
+  expert (layer-major) for a `per_expert` one. Our array's first `index_dims` axes index the names."""
   hf_names: tuple[str, ...]
   layout: str
   stacked: bool
+  per_expert: bool = False
+
+  @property
+  def index_dims(self) -> int:
+    return int(self.stacked) + int(self.per_expert)
+
+
+def _stack_layers(cfg: ModelConfig) -> dict[str, list[int]]:
+  """Stacked tree name -> the global layer index of each of its entries, in stack order."""
+  layers: dict[str, list[int]] = {name: [] for name in STACKS}
+  for i, (name, _) in enumerate(cfg.layer_stacks):
+    layers[name].append(i)
+  return layers
+
+
+def _table_rows(cfg: ModelConfig):
+  """(our path, HF names, layout, per_expert) for every row of `HF_NAMES`, per stack for layer rows."""
+  stack_layers = _stack_layers(cfg)
+  for path, hf_name, layout in HF_NAMES:
+    if path[0] != "layers":
+      yield path, (hf_name,), layout, False
+      continue
+    per_expert = "{e}" in hf_name
+    for stack in STACKS:
+      names = tuple(hf_name.format(i=i, e=e) for i in stack_layers[stack]
+                    for e in (range(cfg.num_experts) if per_expert else (0,)))
+      yield (stack,) + path[1:], names, layout, per_expert
 
 
 def name_map(cfg: ModelConfig) -> dict[tuple, LeafNames]:
   """our path -> its HF tensor names and layout, for exactly the params this config has."""
   present = {path for path, _ in flatten(abstract_params(cfg))}
-  rows = {}
-  for path, hf_name, layout in HF_NAMES:
-    if path in present:
-      stacked = "{i}" in hf_name
-      names = tuple(hf_name.format(i=i) for i in range(cfg.num_layers)) if stacked else (hf_name,)
-      rows[path] = LeafNames(names, layout, stacked)
-  return rows
+  return {path: LeafNames(names, layout, path[0] in STACKS, per_expert)
+          for path, names, layout, per_expert in _table_rows(cfg) if path in present}
+
+
+def _indices(shape: tuple[int, ...], leaf: LeafNames):
+  """Index tuples into our array, one per HF name of `leaf`, in the order of `leaf.hf_names`."""
+  return np.ndindex(*shape[:leaf.index_dims])
 
 
 def export_leaf(x: np.ndarray, leaf: LeafNames, np_dtype) -> dict[str, np.ndarray]:
   """HF name -> contiguous host array in HF layout, for our host array `x` of one param."""
-  slices = list(x) if leaf.stacked else [x]
-  return {name: np.ascontiguousarray(to_hf_layout(part.astype(np_dtype), leaf.layout))
-          for name, part in zip(leaf.hf_names, slices)}
+  return {name: np.ascontiguousarray(to_hf_layout(x[index].astype(np_dtype), leaf.layout))
+          for name, index in zip(leaf.hf_names, _indices(x.shape, leaf))}
 
 
 def tensor_shape(file: str, name: str) -> tuple[int, ...]:
@@ -88,7 +130,7 @@ def tensor_shape(file: str, name: str) -> tuple[int, ...]:
 def check_leaf(where: dict[str, str], leaf: LeafNames, shape: tuple[int, ...], path: str,
                ours: str) -> None:
   """Raises naming the file and tensor when one of `leaf`'s tensors is missing or mis-shaped."""
-  want = hf_shape(leaf.layout, shape[1:] if leaf.stacked else shape)
+  want = hf_shape(leaf.layout, shape[leaf.index_dims:])
   for hf_name in leaf.hf_names:
     if hf_name not in where:
       raise ValueError(f"{path}: missing tensor '{hf_name}' (for {ours})")
@@ -100,12 +142,13 @@ def check_leaf(where: dict[str, str], leaf: LeafNames, shape: tuple[int, ...], p
 
 def import_leaf(where: dict[str, str], leaf: LeafNames, shape: tuple[int, ...], np_dtype) -> np.ndarray:
   """Our host array (`shape`, `np_dtype`) of one param, read tensor by tensor (shapes already checked)."""
-  if not leaf.stacked:
+  if not leaf.index_dims:
     x = read_tensor(where[leaf.hf_names[0]], leaf.hf_names[0])
     return from_hf_layout(x, leaf.layout, shape).astype(np_dtype)
   out = np.empty(shape, np_dtype)
-  for i, hf_name in enumerate(leaf.hf_names):   # one layer at a time: never a second stacked copy
-    out[i] = from_hf_layout(read_tensor(where[hf_name], hf_name), leaf.layout, shape[1:])
+  # One layer (or one expert of one layer) at a time: never a second stacked copy.
+  for index, hf_name in zip(_indices(shape, leaf), leaf.hf_names):
+    out[index] = from_hf_layout(read_tensor(where[hf_name], hf_name), leaf.layout, shape[leaf.index_dims:])
   return out
 
 
@@ -241,7 +284,8 @@ def load_hf(path: str | os.PathLike, shardings: Any = None) -> tuple[ModelConfig
   """Reads config.json and all safetensors (single or sharded) into (cfg, params in cfg.param_dtype).
 
   Every tensor's name and shape is checked from the file headers before any data is read. Then params
-  are read one at a time (a stacked layer param one layer at a time into its host array). Without
+  are read one at a time (a stacked layer param one layer, an expert param one layer's expert, at a time
+  into its host array). Without
   `shardings` they are returned as host numpy arrays. With `shardings` (a `NamedSharding` per param,
   same structure as the params) each host array goes straight to its sharding, every device receiving
   only its own shard, and is dropped before the next is read: the devices never hold more than the
