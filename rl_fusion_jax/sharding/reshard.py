@@ -21,14 +21,20 @@ sent to a rollout mesh (``keep_source=True``: the training side keeps its copy a
 made), auxiliary models fetched to the devices and released, a checkpoint's host arrays placed straight
 where they rest (host memory included, never first on the devices).
 
+Each switch also reports, per device, the bytes the params' layout change must bring to it against a
+naive all-gather of every moved leaf (``Traffic``): for expert weights whose training shard lies inside
+their generation shard, a device receives only the experts it lacks.
+
 This module never builds PartitionSpecs of its own: every sharding comes from the rule tables
 (``rules.py``) and the optimizer's own structure (``optimizer_shardings``). It imports nothing from
 ``train/``: the training state is read through its ``params`` / ``opt_state`` / ``grads`` fields.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
+import functools
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -72,6 +78,9 @@ class Layouts:
   # None: generation uses the params themselves. With a dtype, ``to_phase`` keeps the master weights in
   # ``master_params`` (on the host with ``offload_optimizer``) while generating.
   generate_dtype: Any = None
+  # Per param, whether it has an 'expert' logical axis (MoE expert weights): the switch reports their
+  # traffic on its own (``Traffic``). None: no param counts as an expert leaf.
+  expert_leaves: Any = None
 
   def offloaded(self, field: str, on_host: bool):
     """Shardings of an offloadable field (``opt_state`` or ``grads``) on the host or the device."""
@@ -120,14 +129,104 @@ def make_layouts(mesh: Mesh, abstract_params, logical_axes, tx: optax.GradientTr
     generate_dtype = jnp.dtype(generate_dtype)
     if all(_cast_dtype(x.dtype, generate_dtype) == x.dtype for x in jax.tree.leaves(abstract_params)):
       generate_dtype = None
+  experts = jax.tree.map(lambda axes: "expert" in axes, logical_axes, is_leaf=lambda x: isinstance(x, tuple))
   return Layouts(params={Phase.TRAIN: train, Phase.GENERATE: generate}, opt_device=opt,
                  opt_host=_on_host(opt), grads_device=train, grads_host=_on_host(train),
-                 generate_dtype=generate_dtype)
+                 generate_dtype=generate_dtype, expert_leaves=experts)
 
 
 def _cast_dtype(dtype, generate_dtype):
   """The dtype of one param's generation copy: ``generate_dtype`` for floating params, else its own."""
   return generate_dtype if jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
+# ---------------------------------------------------------------------------------------------------
+# Traffic of a layout change: what each device must receive, against an all-gather of every leaf.
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+  """Bytes per destination device id of the params' layout change in one switch (pure bookkeeping from
+  the shardings' ``devices_indices_map``; nothing is measured on the wire).
+
+  ``received``: per device, the bytes of its destination shards that it does not already hold of the
+  source arrays (destination shard minus its overlap with the source shard on that same device), in the
+  destination dtype: the least any transfer must bring to it. ``allgather``: the naive baseline where
+  every device gathers each moved leaf whole and then slices its shard: per device, the leaf's full bytes
+  minus the source shard it holds. Both count only leaves whose per-device layout changes (a change of
+  memory kind alone, like the optimizer's offload or the master weights' return, moves no bytes between
+  devices and counts 0); ``expert_*`` are the same figures over the expert leaves only
+  (``Layouts.expert_leaves``).
+  """
+  received: Mapping[int, int] = dataclasses.field(default_factory=dict)
+  allgather: Mapping[int, int] = dataclasses.field(default_factory=dict)
+  expert_received: Mapping[int, int] = dataclasses.field(default_factory=dict)
+  expert_allgather: Mapping[int, int] = dataclasses.field(default_factory=dict)
+
+  def maxima(self) -> dict[str, int]:
+    """Each figure on its fullest device: ``received_bytes_max``, ``allgather_bytes_max``, ``expert_*``."""
+    return {f"{name}_bytes_max": max(getattr(self, name).values(), default=0)
+            for name in ("received", "allgather", "expert_received", "expert_allgather")}
+
+
+def _elements(index: tuple, shape: tuple[int, ...]) -> int:
+  return math.prod(len(range(*part.indices(size))) for part, size in zip(index, shape))
+
+
+def _overlap(a: tuple, b: tuple, shape: tuple[int, ...]) -> int:
+  """Elements two shard indices (tuples of unit-step slices) have in common."""
+  n = 1
+  for pa, pb, size in zip(a, b, shape):
+    (a0, a1, _), (b0, b1, _) = pa.indices(size), pb.indices(size)
+    n *= max(0, min(a1, b1) - max(a0, b0))
+  return n
+
+
+@functools.lru_cache(maxsize=4096)
+def leaf_traffic(shape: tuple[int, ...], itemsize: int, src, dst) -> tuple[tuple[int, int, int], ...]:
+  """(device id, received bytes, all-gather bytes) per device of ``dst`` for one leaf of ``shape`` moved
+  from sharding ``src`` (None: a host array, held by no device) to ``dst`` (see ``Traffic``); () when the
+  per-device layout does not change."""
+  dst_map = dst.devices_indices_map(shape)
+  src_map = {} if src is None else src.devices_indices_map(shape)
+  if src_map == dst_map:
+    return ()
+  full = math.prod(shape)
+  out = []
+  for device, index in dst_map.items():
+    held = src_map.get(device)
+    overlap = 0 if held is None else _overlap(index, held, shape)
+    mine = 0 if held is None else _elements(held, shape)
+    out.append((device.id, (_elements(index, shape) - overlap) * itemsize, (full - mine) * itemsize))
+  return tuple(out)
+
+
+def _traffic(leaves: list, dsts: list, dtypes: list | None, expert_flags: list) -> Traffic:
+  """``Traffic`` of moving ``leaves`` to ``dsts`` (in ``dtypes[i]`` where given)."""
+  names = ("received", "allgather", "expert_received", "expert_allgather")
+  sums = {name: collections.Counter() for name in names}
+  for i, (x, dst) in enumerate(zip(leaves, dsts)):
+    itemsize = jnp.dtype(dtypes[i] if dtypes else x.dtype).itemsize
+    src = x.sharding if isinstance(x, jax.Array) else None
+    for device, received, gathered in leaf_traffic(tuple(x.shape), itemsize, src, dst):
+      for prefix in ("", "expert_") if expert_flags[i] else ("",):
+        sums[prefix + "received"][device] += received
+        sums[prefix + "allgather"][device] += gathered
+  return Traffic(**{name: dict(c) for name, c in sums.items()})
+
+
+def _params_traffic(steps: list, params_flat, layouts: Layouts) -> Traffic:
+  """``Traffic`` of the params in one ``to_phase``: their move in ``steps``, or with ``params_flat``
+  (mixed precision, train -> generate) the generation copy made from them."""
+  if params_flat is not None:
+    leaves, _, treedef = params_flat
+    dsts = treedef.flatten_up_to(layouts.params[Phase.GENERATE])
+    dtypes = _cast_dtypes(leaves, layouts.generate_dtype)
+  else:
+    (leaves, dsts, treedef), dtypes = dict(steps)["params"], None
+  flags = ([False] * len(leaves) if layouts.expert_leaves is None
+           else treedef.flatten_up_to(layouts.expert_leaves))
+  return _traffic(leaves, dsts, dtypes, flags)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -180,10 +279,12 @@ class SwitchStats(MoveStats):
   phase: Phase
   params_bytes: int             # bytes of the param arrays that changed layout (one logical copy)
   offload_bytes: int            # bytes of optimizer state / gradients that changed memory kind
+  traffic: Traffic = dataclasses.field(default_factory=Traffic)   # per device: received vs all-gather
 
   def counts(self) -> dict[str, float]:
     return {"params_bytes": self.params_bytes, "offload_bytes": self.offload_bytes, "buckets": self.buckets,
-            "largest_bucket_bytes": self.largest_bucket_bytes, "seconds": self.seconds}
+            "largest_bucket_bytes": self.largest_bucket_bytes, "seconds": self.seconds,
+            **self.traffic.maxima()}
 
   def as_metrics(self, prefix: str = "switch/") -> dict[str, float]:
     return super().as_metrics(prefix)
@@ -401,6 +502,7 @@ def to_phase(state, phase: Phase, *, layouts: Layouts, bucket_bytes: int, offloa
            for field, shardings in _plan(state, phase, layouts, offload_optimizer)
            if not (split and field == "params")]
   params_flat = _leaves(_get(state, "params"), layouts.params[Phase.TRAIN], "params") if split else None
+  traffic = _params_traffic(steps, params_flat, layouts)
   tracker = memory.MemoryTracker() if track_memory else None
   sampled = tracker.seconds if tracker else 0.0
   start = time.perf_counter()
@@ -418,7 +520,7 @@ def to_phase(state, phase: Phase, *, layouts: Layouts, bucket_bytes: int, offloa
     state = _replace(_replace(state, "params", gen), "master_params", master)
     costs += field_costs
   seconds = time.perf_counter() - start - ((tracker.seconds - sampled) if tracker else 0.0)
-  return state, _stats(phase, moved, costs, seconds, tracker)
+  return state, _stats(phase, moved, costs, seconds, tracker, traffic)
 
 
 def _split_params(flat, layouts: Layouts, offload: bool, bucket_bytes: int, tracker):
@@ -444,8 +546,9 @@ def _split_params(flat, layouts: Layouts, offload: bool, bucket_bytes: int, trac
           [sum(costs[j] for j in bucket) for bucket in plan])
 
 
-def _stats(phase: Phase, moved: Mapping[str, int], costs: list[int], seconds: float, tracker) -> SwitchStats:
+def _stats(phase: Phase, moved: Mapping[str, int], costs: list[int], seconds: float, tracker,
+           traffic: Traffic) -> SwitchStats:
   return SwitchStats(phase=phase, moved_bytes=sum(moved.values()), params_bytes=moved.get("params", 0),
                      offload_bytes=sum(v for f, v in moved.items() if f != "params"),
                      buckets=len(costs), largest_bucket_bytes=max(costs, default=0), seconds=seconds,
-                     **_memory_fields(tracker))
+                     traffic=traffic, **_memory_fields(tracker))

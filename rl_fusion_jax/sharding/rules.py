@@ -32,9 +32,12 @@ TRAIN_RULES: Rules = (
     ("norm", None),
     # The stacked layer axis of scanned blocks: never split (each device runs every layer).
     ("layers", None),
-    # MoE: experts over the batch axes (EP = data x fsdp; tokens travel to their experts' devices, see
+    # MoE: experts over the batch axes (EP = fsdp x data; tokens travel to their experts' devices, see
     # sharding/expert_parallel.py), each expert's hidden dim over tensor; the router is tiny: replicated.
-    ("expert", ("data", "fsdp")),
+    # fsdp before data: device (d, f) then holds expert shard f * data + d, which lies inside the shard f
+    # GENERATE_RULES gives it, so the switch moves E / (data * fsdp) experts into each device (and none
+    # back); in (data, fsdp) order most devices would need their whole generation shard.
+    ("expert", ("fsdp", "data")),
     ("moe_mlp", "tensor"),
     ("router", None),
     # KV cache [layers, cache_batch, kv_heads, cache_seq, head_dim] (the names above serve it too): rows
