@@ -179,7 +179,8 @@ def grouped_ffn(x_td, experts_n, gate_edf, up_edf, down_efd, cfg: ModelConfig, g
 
   Returns (y [N, D] in sorted order, the sort order [N]); `combine` brings them back to tokens. With
   ``group_sizes_e`` the assignments are already sorted by expert (ids in [0, E)), and ``x_td`` holds
-  one row per assignment.
+  one row per assignment; rows past ``sum(group_sizes_e)`` (padding of a fixed-size buffer) get
+  unspecified outputs that the caller must mask.
   """
   num_experts = gate_edf.shape[0]
   if group_sizes_e is None:
@@ -217,7 +218,10 @@ def _blocked_ffn(rows_nd, sorted_n, group_sizes_e, gate_edf, up_edf, down_efd, l
   dest_n = block_start_e[sorted_n] + jnp.arange(n) - group_start_e[sorted_n]
   blocks_bld = jnp.zeros((num_blocks * blk, d), rows_nd.dtype).at[dest_n].set(rows_nd)
   blocks_bld = blocks_bld.reshape(num_blocks, blk, d)
-  block_expert_b = jnp.searchsorted(jnp.cumsum(padded_e), jnp.arange(num_blocks) * blk, side="right")
+  # The expert whose padded span holds each block's first row (searchsorted, side='right', written as a
+  # count: jnp.searchsorted inside a partly manual shard_map trips an assertion in this JAX version).
+  ends_e = jnp.cumsum(padded_e)
+  block_expert_b = jnp.sum(ends_e[None, :] <= (jnp.arange(num_blocks) * blk)[:, None], axis=1)
   block_expert_b = jnp.minimum(block_expert_b, num_experts - 1).astype(jnp.int32)
 
   def one(args):

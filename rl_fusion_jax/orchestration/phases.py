@@ -67,7 +67,8 @@ def warmup(setup: Setup, programs: Programs, params, *, state=None, save=None, g
   shardings = warmup_shardings(cfg, programs)
   if state is None:
     state = state_lib.create_train_state(params, tx, shardings)
-  sft_step = step_lib.make_sft_step(cfg.model.config, tx, 1, programs.mesh, shardings)
+  sft_step = step_lib.make_sft_step(cfg.model.config, tx, 1, programs.mesh, shardings,
+                                    programs.deployment.train_rules)
   n, every, pending = cfg.warmup.batch_size, cfg.warmup.checkpoint_every, []
   for step in range(int(state.step), cfg.warmup.steps):
     problems = [setup.warmup_task.problem(step * n + i) for i in range(n)]

@@ -94,22 +94,22 @@ class Programs:
     spec = GenerateSpec(model_cfg, sampling, r.max_prompt_len, r.max_new_tokens, setup.tokenizer.eos_id)
     engine_cfg = EngineConfig(spec=spec, num_slots=r.slots, chunk_steps=r.chunk_steps,
                               group_size=r.group_size, seed=cfg.run.seed)
-    self.engine = Engine(engine_cfg, d.rollout_mesh, d.rollout_param_shardings)
+    self.engine = Engine(engine_cfg, d.rollout_mesh, d.rollout_param_shardings, d.generate_rules)
     greedy = dataclasses.replace(spec, sampling=SamplingParams(0.0))
     self.eval_engine = Engine(dataclasses.replace(engine_cfg, spec=greedy, num_slots=_eval_slots(cfg),
                                                   group_size=1),
-                              d.rollout_mesh, d.rollout_param_shardings)
+                              d.rollout_mesh, d.rollout_param_shardings, d.generate_rules)
     # pass@k: task.eval_samples samples of each held-out problem under the rollout's sampling.
     self.sampled_eval_engine = None
     if cfg.task.eval_samples:
       self.sampled_eval_engine = Engine(
           dataclasses.replace(engine_cfg, num_slots=_eval_slots(cfg), group_size=1),
-          d.rollout_mesh, d.rollout_param_shardings)
+          d.rollout_mesh, d.rollout_param_shardings, d.generate_rules)
     temperature = sampling.logprob_temperature
     # The micro-batch count follows each batch's shape (width bucket, row bucket): see OptimConfig.
     self.micro = step_lib.MicroBatching.from_optim(cfg.optim, self.mesh.devices.flat[0].platform)
     self.train_step = step_lib.make_rl_step(model_cfg, cfg.algo, temperature, self.tx, self.micro, self.mesh,
-                                            r.max_new_tokens, self.state_shardings)
+                                            r.max_new_tokens, self.state_shardings, d.train_rules)
     self.packed_step, self.row_buckets = None, ()
     if cfg.optim.pack_rows:
       self.packed_step = packed_step.make_packed_rl_step(model_cfg, cfg.algo, temperature, self.tx, self.micro,
@@ -121,7 +121,8 @@ class Programs:
     self.ref_param_shardings = (self.param_shardings if d.aux_mesh is self.mesh else
                                 d.aux_param_shardings(models.abstract_params(model_cfg),
                                                       models.param_logical_axes(model_cfg)))
-    self.ref_logprobs = step_lib.make_logprob_fn(model_cfg, temperature, d.aux_mesh, self.ref_param_shardings)
+    self.ref_logprobs = step_lib.make_logprob_fn(model_cfg, temperature, d.aux_mesh, self.ref_param_shardings,
+                                                 d.train_rules)
     self.critic = None
     if cfg.algo.uses_critic:
       self.assemble = jax.jit(functools.partial(assemble_gae_batch, cfg),

@@ -58,6 +58,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from rl_fusion_jax.rollout import slots
 from rl_fusion_jax.rollout.decode import GenerateSpec
 from rl_fusion_jax.sharding.mesh import BATCH_AXES, batch_shards, replicated
+from rl_fusion_jax.sharding.rules import GENERATE_RULES, Rules
 from rl_fusion_jax.types import Rollout
 
 REFILL_POLICIES = ("continuous", "static")
@@ -148,7 +149,9 @@ class _Finished:
 class Engine:
   """Slots over one donated KV cache, a host queue, continuous refill and partial rollout."""
 
-  def __init__(self, cfg: EngineConfig, mesh: Mesh, param_shardings):
+  def __init__(self, cfg: EngineConfig, mesh: Mesh, param_shardings, rules: Rules = GENERATE_RULES):
+    """``rules``: the generation rule table ``param_shardings`` came from (KV cache layout, and the
+    expert-parallel layout of an MoE policy)."""
     shards = batch_shards(mesh)
     if cfg.num_slots % shards:
       raise ValueError(f"EngineConfig.num_slots: {cfg.num_slots} is not a multiple of the {shards} batch "
@@ -158,7 +161,7 @@ class Engine:
       raise ValueError(f"EngineConfig.prefill_rows: {rows} is not a multiple of the {shards} batch shards")
     self.cfg, self.rows = cfg, rows
     leaves, treedef = jax.tree.flatten(param_shardings)
-    self.programs = slots.programs(cfg.spec, cfg.num_slots, rows, mesh, treedef, tuple(leaves))
+    self.programs = slots.programs(cfg.spec, cfg.num_slots, rows, mesh, treedef, tuple(leaves), rules)
     self._rng = jax.random.key(cfg.seed)
     self._state = self.programs.empty()
     self._shards = shards

@@ -33,7 +33,8 @@ from rl_fusion_jax.rollout import decode as decode_lib
 # SlotState and empty_slots are part of this module's interface (the engine reads slots.SlotState).
 from rl_fusion_jax.rollout.decode import GenerateSpec, SlotState, empty_slots
 from rl_fusion_jax.sharding.mesh import batch_sharding, replicated
-from rl_fusion_jax.sharding.rules import GENERATE_RULES, cache_sharding
+from rl_fusion_jax.sharding.expert_parallel import with_expert_parallel
+from rl_fusion_jax.sharding.rules import GENERATE_RULES, Rules, cache_sharding
 
 # The narrowest prefill: below it a forward saves little, and every width is one more compile.
 MIN_PREFILL_WIDTH = 8
@@ -119,21 +120,24 @@ class SlotPrograms:
   shape; callers pass that many rows.
   """
 
-  def __init__(self, spec: GenerateSpec, num_slots: int, rows: int, mesh: Mesh, param_shardings):
+  def __init__(self, spec: GenerateSpec, num_slots: int, rows: int, mesh: Mesh, param_shardings,
+               rules: Rules = GENERATE_RULES):
     self.rows = rows
     b1, b2, rep = batch_sharding(mesh, 1), batch_sharding(mesh, 2), replicated(mesh)
-    self.cache_sharding = cache_sharding(spec.model, mesh, GENERATE_RULES)
+    self.cache_sharding = cache_sharding(spec.model, mesh, rules)
+    # An MoE policy's routed experts run expert-parallel in the generation layout (sharding/expert_parallel).
+    ep = lambda fn: with_expert_parallel(fn, spec.model, mesh, rules)
     self.row_shardings = (b1, b1, b2, b1, b1, b1)
     self.replicated = rep
     self.state_shardings = state_sh = decode_lib.state_shardings(mesh)
     cache_sh = self.cache_sharding
     self.widths = prefill_widths(spec.max_prompt_len, spec.seq_len)
     self.prefill = {
-        w: jax.jit(functools.partial(prefill, spec, w), donate_argnums=(1, 2),
+        w: jax.jit(ep(functools.partial(prefill, spec, w)), donate_argnums=(1, 2),
                    in_shardings=(param_shardings, cache_sh, state_sh) + self.row_shardings,
                    out_shardings=(state_sh, cache_sh))
         for w in self.widths}
-    self.decode = jax.jit(functools.partial(decode_chunk, spec), donate_argnums=(1, 2),
+    self.decode = jax.jit(ep(functools.partial(decode_chunk, spec)), donate_argnums=(1, 2),
                           in_shardings=(param_shardings, cache_sh, state_sh, rep, rep, rep, rep),
                           out_shardings=(state_sh, cache_sh, rep, rep))
     self.init_cache = jax.jit(functools.partial(models.init_cache, spec.model, num_slots, spec.seq_len),
@@ -143,6 +147,7 @@ class SlotPrograms:
 
 
 @functools.lru_cache(maxsize=16)
-def programs(spec, num_slots, rows, mesh, treedef, sharding_leaves) -> SlotPrograms:
+def programs(spec, num_slots, rows, mesh, treedef, sharding_leaves, rules: Rules = GENERATE_RULES
+             ) -> SlotPrograms:
   """Shared by every engine with equal arguments (all hashable), so a new engine compiles nothing."""
-  return SlotPrograms(spec, num_slots, rows, mesh, jax.tree.unflatten(treedef, sharding_leaves))
+  return SlotPrograms(spec, num_slots, rows, mesh, jax.tree.unflatten(treedef, sharding_leaves), rules)

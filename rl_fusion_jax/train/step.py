@@ -22,7 +22,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from rl_fusion_jax import algorithms, models
 from rl_fusion_jax.algorithms import registry
 from rl_fusion_jax.config import AlgoConfig
+from rl_fusion_jax.sharding.expert_parallel import with_expert_parallel
 from rl_fusion_jax.sharding.mesh import BATCH_AXES, batch_sharding, batch_shards, replicated
+from rl_fusion_jax.sharding.rules import TRAIN_RULES, Rules
 from rl_fusion_jax.train.logprobs import token_logprobs
 from rl_fusion_jax.train.state import TrainState
 from rl_fusion_jax.types import TrainBatch
@@ -287,28 +289,32 @@ def batch_shardings(mesh: Mesh) -> TrainBatch:
 
 
 def make_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: MicroBatching | int, mesh: Mesh,
-                 norm_len: int, shardings: TrainState):
+                 norm_len: int, shardings: TrainState, rules: Rules = TRAIN_RULES):
   """``train_step(state, batch) -> (state, metrics)``, compiled once per batch shape, state donated.
 
   ``micro``: a ``MicroBatching`` (the count follows the batch's shape) or a fixed micro-batch count.
-  ``norm_len`` (the Dr. GRPO constant) does not depend on the batch width.
+  ``norm_len`` (the Dr. GRPO constant) does not depend on the batch width. ``rules``: the training rule
+  table ``shardings`` came from (an MoE policy's experts run expert-parallel in that layout).
   """
   fn = functools.partial(rl_step, model_cfg, algo, temperature, tx, as_micro_batching(micro), mesh, norm_len)
+  fn = with_expert_parallel(fn, model_cfg, mesh, rules)
   return jax.jit(fn, in_shardings=(shardings, batch_shardings(mesh)),
                  out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
 
 
-def make_sft_step(model_cfg, tx, num_micro: int, mesh: Mesh, shardings: TrainState):
+def make_sft_step(model_cfg, tx, num_micro: int, mesh: Mesh, shardings: TrainState,
+                  rules: Rules = TRAIN_RULES):
   """``sft_step(state, tokens_bt, mask_bt) -> (state, metrics)``, compiled once, state donated."""
   b2 = batch_sharding(mesh, 2)
-  fn = functools.partial(sft_step, model_cfg, tx, num_micro, mesh)
+  fn = with_expert_parallel(functools.partial(sft_step, model_cfg, tx, num_micro, mesh), model_cfg, mesh, rules)
   return jax.jit(fn, in_shardings=(shardings, b2, b2), out_shardings=(shardings, replicated(mesh)),
                  donate_argnums=(0,))
 
 
-def make_logprob_fn(model_cfg, temperature: float, mesh: Mesh, param_shardings):
+def make_logprob_fn(model_cfg, temperature: float, mesh: Mesh, param_shardings, rules: Rules = TRAIN_RULES):
   """``fn(params, tokens_bt) -> logp_bt`` (e.g. reference-policy log-probs), compiled once."""
   b2 = batch_sharding(mesh, 2)
-  fn = functools.partial(token_logprobs, model_cfg, temperature=temperature)
+  fn = with_expert_parallel(functools.partial(token_logprobs, model_cfg, temperature=temperature),
+                            model_cfg, mesh, rules)
   return jax.jit(lambda params, tokens_bt: fn(params, tokens_bt),
                  in_shardings=(param_shardings, b2), out_shardings=b2)
