@@ -4,14 +4,18 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_grpo_main_runs_two_steps(tmp_path):
+@pytest.mark.parametrize("variant", ["", ":moe"])
+def test_grpo_main_runs_two_steps(tmp_path, variant):
+  """The main job, and its MoE variant (experts over the 2 default devices in both phases)."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   workdir = tmp_path / "run"
   cmd = [sys.executable, os.path.join(ROOT, "experiments", "grpo_main.py"),
-         "--config=" + os.path.join(ROOT, "experiments", "configs", "arithmetic.py"),
+         "--config=" + os.path.join(ROOT, "experiments", "configs", "arithmetic.py") + variant,
          f"--workdir={workdir}", "--config.run.steps=2", "--config.warmup.steps=2",
          "--config.task.eval_problems=16"]
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -23,6 +27,9 @@ def test_grpo_main_runs_two_steps(tmp_path):
   assert 0.0 <= summary["accuracy_after"] <= 1.0
   config = json.load(open(workdir / "config.json"))
   assert config["run"]["steps"] == 2
+  if variant == ":moe":
+    assert config["model"]["config"]["num_experts"] == 8
+    assert all(l["moe/load_balance_loss"] > 0 for l in lines if "loss" in l)
 
 
 def test_grpo_main_rejects_config_typo(tmp_path):
