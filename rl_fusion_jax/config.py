@@ -31,15 +31,20 @@ def closest(name: str, known) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """Mesh axis sizes over all devices; -1 on one axis means 'whatever is left'."""
+  """Mesh axis sizes over all devices; -1 on one axis means 'whatever is left'.
+
+  ``stage`` > 1 is pipeline parallelism in the update (``sharding/pipeline.py``): each stage holds
+  num_layers / stage consecutive layers, and a batch splits over data x fsdp only (every stage sees it).
+  """
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
+  stage: int = 1
   # Virtual devices when running on CPU (0: one per core). Read by the binaries before JAX starts.
   cpu_devices: int = 0
 
   def _sizes(self) -> dict[str, int]:
-    return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+    return {"stage": self.stage, "data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
 
   def __post_init__(self):
     _require(self.cpu_devices >= 0, "mesh.cpu_devices", f"must be >= 0, got {self.cpu_devices}")
@@ -60,11 +65,27 @@ class MeshConfig:
     for name, size in sizes.items():
       if size == -1:
         sizes[name] = num_devices // fixed
-    product = sizes["data"] * sizes["fsdp"] * sizes["tensor"]
+    product = math.prod(sizes.values())
     if product != num_devices:
       raise ConfigError(f"config.mesh: axis sizes {sizes} use {product} devices but {num_devices} "
                        "are present; set one axis to -1 or make the product match")
     return sizes
+
+
+def pipeline_problem(model: ModelConfig, stages: int, pieces: int) -> str | None:
+  """Why ``model`` cannot run as a ``stages``-stage pipeline of ``pieces`` micro-batches
+  (``sharding/pipeline.py``), naming the fields; None when it can."""
+  if model.num_layers % stages:
+    return (f"model.num_layers={model.num_layers} does not divide over mesh.stage={stages} pipeline stages "
+            "(each stage holds num_layers / stage consecutive layers)")
+  if len(set(model.layer_kinds)) > 1:
+    return (f"model.mlp_only_layers={model.mlp_only_layers} / model.decoder_sparse_step="
+            f"{model.decoder_sparse_step} mix dense and sparse layers (two stacked trees); pipeline "
+            f"parallelism (mesh.stage={stages}) splits one stack: use mesh.stage=1")
+  if pieces < stages:
+    return (f"optim.pipeline_micro_batches={pieces} is fewer than mesh.stage={stages}: each stage needs a "
+            "micro-batch of its own")
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,6 +401,9 @@ class OptimConfig:
   # The RL update on packed rows (several samples per row, train/packing.py): same loss and gradients,
   # no padding positions; row counts are bucketed, one compile per bucket used.
   pack_rows: bool = False
+  # With mesh.stage > 1: each micro-batch above runs through the layer pipeline in this many pieces
+  # (GPipe, sharding/pipeline.py; idle share of the stages (stage - 1) / (pieces + stage - 1)). 0: mesh.stage.
+  pipeline_micro_batches: int = 0
 
   def __post_init__(self):
     _require(self.learning_rate > 0, "optim.learning_rate", f"must be > 0, got {self.learning_rate}")
@@ -390,6 +414,9 @@ class OptimConfig:
     _require(tokens is None or (isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0),
              "optim.tokens_per_micro_batch",
              f"must be None or an int >= 0, got {tokens!r}")
+    pieces = self.pipeline_micro_batches
+    _require(isinstance(pieces, int) and not isinstance(pieces, bool) and pieces >= 0,
+             "optim.pipeline_micro_batches", f"must be an int >= 0 (0: mesh.stage), got {pieces!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -489,6 +516,19 @@ class ExperimentConfig:
     """The seed of the starting policy (init and warm-up data): ``warmup.seed``, or ``run.seed`` for -1."""
     return self.run.seed if self.warmup.seed == -1 else self.warmup.seed
 
+  def _check_pipeline(self, stages: int, batch_shards: int) -> None:
+    """mesh.stage > 1: the packed update runs the layers as a pipeline (sharding/pipeline.py)."""
+    _require(self.optim.pack_rows, "mesh.stage",
+             f"{stages} pipeline stages run in the packed update only; set optim.pack_rows=True")
+    pieces = self.optim.pipeline_micro_batches or stages
+    problem = pipeline_problem(self.model.config, stages, pieces)
+    if problem:
+      raise ConfigError(f"config.{problem}")
+    per_micro = self.rollout.batch_size // self.optim.micro_batches
+    _require(per_micro % (batch_shards * pieces) == 0, "optim.pipeline_micro_batches",
+             f"the micro-batch of {per_micro} sequences must split into {pieces} pipeline micro-batches "
+             f"over data * fsdp = {batch_shards} devices")
+
   def check_devices(self, num_devices: int) -> dict[str, int]:
     """Resolves the (training) mesh and checks that every batch splits evenly over its batch axes."""
     rollout_shards = None
@@ -511,6 +551,8 @@ class ExperimentConfig:
     sizes = self.mesh.resolve(num_devices)
     rollout_shards = rollout_shards or sizes["data"] * sizes["fsdp"]
     batch_shards = sizes["data"] * sizes["fsdp"]
+    if sizes["stage"] > 1:
+      self._check_pipeline(sizes["stage"], batch_shards)
     per_micro = self.rollout.batch_size // self.optim.micro_batches
     _require(per_micro % batch_shards == 0, "rollout.num_prompts",
              f"the micro-batch of {per_micro} sequences (num_prompts * group_size / micro_batches) "

@@ -1,7 +1,13 @@
-"""The device mesh: built once per run from a MeshConfig, axes (data, fsdp, tensor).
+"""The device mesh: built once per run from a MeshConfig, axes (stage, data, fsdp, tensor).
 
 Axis types are ``Auto``: shardings are given explicitly at jit boundaries (in/out shardings) and XLA
 propagates them inside, so model code needs no per-op ``out_sharding``. Nothing else builds a mesh.
+
+``stage`` is the pipeline axis (``sharding/pipeline.py``): training splits the stacked layers over it and
+sends activations from stage to stage, so a batch is split over (data, fsdp) and every stage sees all of
+its rows. Generation has no stages (``GENERATE_RULES`` gives every device all layers) and runs the same
+rows on each stage: with stage > 1 its work is repeated ``stage`` times (README, pipeline parallelism).
+With stage = 1 the axis has size 1 and no sharding names it.
 """
 from __future__ import annotations
 
@@ -13,12 +19,13 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from rl_fusion_jax.config import MeshConfig
 
-AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")   # the axes a batch dimension is split over
+AXES = ("stage", "data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")   # the axes a batch dimension is split over (replicated over stage)
+STAGE_AXIS = "stage"
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds the (data, fsdp, tensor) mesh over ``devices`` (default: all)."""
+  """Builds the (stage, data, fsdp, tensor) mesh over ``devices`` (default: all)."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = cfg.resolve(len(devices))
   grid = np.asarray(devices, dtype=object).reshape([sizes[a] for a in AXES])
@@ -38,3 +45,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def batch_shards(mesh: Mesh) -> int:
   return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def num_stages(mesh: Mesh) -> int:
+  """Pipeline stages of ``mesh``: its 'stage' axis size (1 for a mesh built without one)."""
+  return dict(mesh.shape).get(STAGE_AXIS, 1)

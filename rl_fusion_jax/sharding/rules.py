@@ -2,7 +2,7 @@
 
 Parameters carry logical axis names only (``rl_fusion_jax.models.param_logical_axes``), and so does the
 KV cache (``rl_fusion_jax.models.cache_logical_axes``). These tables are the single place that decides
-how they map onto the (data, fsdp, tensor) mesh; nothing else in the code spells a PartitionSpec for
+how they map onto the (stage, data, fsdp, tensor) mesh; nothing else in the code spells a PartitionSpec for
 parameters or for the cache.
 """
 from __future__ import annotations
@@ -30,8 +30,9 @@ TRAIN_RULES: Rules = (
     ("mlp", "tensor"),
     # Norm scales are tiny: replicated.
     ("norm", None),
-    # The stacked layer axis of scanned blocks: never split (each device runs every layer).
-    ("layers", None),
+    # The stacked layer axis of scanned blocks: over the pipeline stages (num_layers / stage consecutive
+    # layers per stage, sharding/pipeline.py). With stage = 1 this names nothing (OPTIONAL_AXES).
+    ("layers", "stage"),
     # MoE: experts over the batch axes (EP = fsdp x data; tokens travel to their experts' devices, see
     # sharding/expert_parallel.py), each expert's hidden dim over tensor; the router is tiny: replicated.
     # fsdp before data: device (d, f) then holds expert shard f * data + d, which lies inside the shard f
@@ -54,13 +55,23 @@ GENERATE_RULES: Rules = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("norm", None),
-    ("layers", None),
+    ("layers", None),         # no stages while generating: every device holds every layer
     ("expert", "fsdp"),       # EP = fsdp inside each data replica: fewer experts per device move in
     ("moe_mlp", "tensor"),
     ("router", None),
     ("cache_batch", ("data", "fsdp")),   # fsdp holds no params here, so its devices take their own rows
     ("cache_seq", None),
 )
+
+
+# Mesh axes a rule may name although a mesh lacks them or holds them once: on a mesh without pipeline
+# stages (no 'stage' axis, or stage = 1) they map to nothing, so every spec is what it was before the axis
+# existed (e.g. the (data, fsdp, tensor) meshes of testing/aot_memory.py).
+OPTIONAL_AXES = ("stage",)
+
+
+def _absent(axis: str, mesh: Mesh) -> bool:
+  return axis in OPTIONAL_AXES and dict(mesh.shape).get(axis, 1) == 1
 
 
 def logical_to_spec(axes: Sequence[str | None], rules: Rules, mesh: Mesh) -> P:
@@ -74,7 +85,7 @@ def logical_to_spec(axes: Sequence[str | None], rules: Rules, mesh: Mesh) -> P:
     mesh_axes = table.get(name) if name is not None else None
     if isinstance(mesh_axes, str):
       mesh_axes = (mesh_axes,)
-    mesh_axes = tuple(a for a in (mesh_axes or ()) if a not in used)
+    mesh_axes = tuple(a for a in (mesh_axes or ()) if a not in used and not _absent(a, mesh))
     for a in mesh_axes:
       if a not in mesh.shape:
         raise ValueError(f"rule for logical axis {name!r} names mesh axis {a!r}; mesh axes are "

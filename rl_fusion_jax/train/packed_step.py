@@ -32,7 +32,8 @@ from rl_fusion_jax import algorithms, models
 from rl_fusion_jax.config import AlgoConfig
 from rl_fusion_jax.models import decoder
 from rl_fusion_jax.queue.global_batch import global_batch
-from rl_fusion_jax.sharding.mesh import batch_sharding, batch_shards, replicated
+from rl_fusion_jax.sharding import pipeline
+from rl_fusion_jax.sharding.mesh import batch_sharding, batch_shards, num_stages, replicated
 from rl_fusion_jax.train import packing
 from rl_fusion_jax.train import step as step_lib
 from rl_fusion_jax.train.logprobs import head_logprobs
@@ -76,15 +77,16 @@ def device_batch(mesh: Mesh, packed: packing.PackedBatch) -> PackedTrainBatch:
 
 def packed_token_logprobs(model_cfg: models.ModelConfig, params, tokens_rw: Int[Array, "R W"],
                           positions_rw: Int[Array, "R W"], segment_ids_rw: Int[Array, "R W"],
-                          temperature: float = 1.0, *, with_aux: bool = False):
+                          temperature: float = 1.0, *, with_aux: bool = False,
+                          hidden_fn=decoder.hidden_with_aux):
   """(logp_rw, entropy_rw) of packed rows, aligned with ``tokens_rw``; both 0 where position == 0.
 
   logp_rw[r, w] = log pi(token w | the earlier tokens of its own sample), as ``token_logprobs`` on the
   sample's own padded row. With ``with_aux`` the MoE router aux over the non-padding tokens is appended.
+  ``hidden_fn``: ``decoder.hidden_with_aux`` or a function computing the same (``pipelined_loss``).
   """
-  hidden_rwd, aux = decoder.hidden_with_aux(model_cfg, params, tokens_rw[:, :-1],
-                                            positions_bt=positions_rw[:, :-1],
-                                            segment_ids_bt=segment_ids_rw[:, :-1])
+  hidden_rwd, aux = hidden_fn(model_cfg, params, tokens_rw[:, :-1], positions_bt=positions_rw[:, :-1],
+                              segment_ids_bt=segment_ids_rw[:, :-1])
   logp_rw, entropy_rw = head_logprobs(model_cfg, params, hidden_rwd, tokens_rw[:, 1:], temperature,
                                       with_entropy=True)
   starts_rw = positions_rw[:, 1:] == 0    # the target opens a sample (or is padding): nothing predicts it
@@ -124,22 +126,43 @@ def packed_token_weights(mask_rw: Float[Array, "R W"], segment_ids_rw: Int[Array
 
 
 def packed_rl_loss(model_cfg: models.ModelConfig, algo: AlgoConfig, temperature: float, params,
-                   batch: PackedTrainBatch, weights):
+                   batch: PackedTrainBatch, weights, *, hidden_fn=decoder.hidden_with_aux):
   """``step.rl_loss`` on packed rows (router aux over the non-padding tokens)."""
   logp_rw, entropy_rw, aux = packed_token_logprobs(model_cfg, params, batch.tokens_rw, batch.positions_rw,
-                                                   batch.segment_ids_rw, temperature, with_aux=True)
+                                                   batch.segment_ids_rw, temperature, with_aux=True,
+                                                   hidden_fn=hidden_fn)
   loss, sums = step_lib.rl_loss_from_logprobs(
       algo, logp_rw, entropy_rw, behaviour_logp_bt=batch.behaviour_logp_rw, advantages=batch.advantages_rw,
       mask_bt=batch.mask_rw, ref_logp_bt=batch.ref_logp_rw, weights=weights)
   return step_lib.add_router_aux(model_cfg, loss, sums, aux, weights)
 
 
+def pipelined_loss(model_cfg, algo: AlgoConfig, temperature: float, micro: step_lib.MicroBatching, mesh: Mesh,
+                   pieces: int, rows: int, width: int):
+  """(loss_fn, micro-batch count) of the update on a mesh with pipeline stages (``mesh.stage`` > 1).
+
+  The loss is ``packed_rl_loss`` with the layers run as a GPipe pipeline (``sharding/pipeline.py``), each
+  micro-batch in ``pieces`` pieces (0: one per stage). The micro-batch count keeps the token budget's
+  meaning (positions per device per micro-batch) and divides rows / (batch shards * pieces), so every
+  micro-batch splits into whole pieces on every batch shard.
+  """
+  pieces = pieces or num_stages(mesh)
+  pipeline.check_pipeline(model_cfg, num_stages(mesh), pieces, rows=rows, shards=batch_shards(mesh))
+  hidden = functools.partial(pipeline.pipelined_hidden, mesh=mesh, num_micro=pieces)
+  loss_fn = functools.partial(packed_rl_loss, model_cfg, algo, temperature, hidden_fn=hidden)
+  return loss_fn, micro.num_micro(rows // pieces, width * pieces, batch_shards(mesh))
+
+
 def packed_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: step_lib.MicroBatching,
-                   mesh: Mesh, norm_len: int, state: TrainState, batch: PackedTrainBatch):
+                   mesh: Mesh, norm_len: int, pipeline_micro: int, state: TrainState,
+                   batch: PackedTrainBatch):
   loss_w_rw = packed_token_weights(batch.mask_rw, batch.segment_ids_rw, algo.aggregation, norm_len=norm_len)
   weights = (loss_w_rw, algorithms.token_weights(batch.mask_rw, "token-mean"))
   loss_fn = functools.partial(packed_rl_loss, model_cfg, algo, temperature)
   num_micro = micro.num_micro(*batch.tokens_rw.shape, batch_shards(mesh))
+  if num_stages(mesh) > 1:
+    loss_fn, num_micro = pipelined_loss(model_cfg, algo, temperature, micro, mesh, pipeline_micro,
+                                        *batch.tokens_rw.shape)
   return step_lib.update(loss_fn, tx, num_micro, mesh, state, batch, weights, bump_version=True)
 
 
@@ -150,15 +173,20 @@ def check_packable(algo: AlgoConfig) -> None:
 
 
 def make_packed_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx,
-                        micro: step_lib.MicroBatching | int, mesh: Mesh, norm_len: int, shardings: TrainState):
+                        micro: step_lib.MicroBatching | int, mesh: Mesh, norm_len: int, shardings: TrainState,
+                        *, pipeline_micro: int = 0):
   """``train_step(state, packed_batch) -> (state, metrics)``: one compile per row bucket, state donated.
 
   Same arguments as ``step.make_rl_step``; the batch's row count must be a multiple of
   ``batch_shards * micro.count`` (``packing.row_multiple``). With a token budget, each bucket's
-  micro-batch count is derived from its rows and width (``step.micro_batch_count``).
+  micro-batch count is derived from its rows and width (``step.micro_batch_count``). On a mesh with
+  pipeline stages the layers run as a pipeline of ``pipeline_micro`` pieces per micro-batch
+  (``optim.pipeline_micro_batches``; ``pipelined_loss``), and the rows must also be a multiple of
+  ``batch_shards * micro.count * pieces``.
   """
   check_packable(algo)
   micro = step_lib.as_micro_batching(micro)
-  fn = functools.partial(packed_rl_step, model_cfg, algo, temperature, tx, micro, mesh, norm_len)
+  fn = functools.partial(packed_rl_step, model_cfg, algo, temperature, tx, micro, mesh, norm_len,
+                         pipeline_micro)
   return jax.jit(fn, in_shardings=(shardings, packed_batch_shardings(mesh)),
                  out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
