@@ -95,7 +95,7 @@ def test_bad_values_are_named(field, value, match):
 
 def test_device_checks():
   cfg = config_lib.experiment_from_dict(base())
-  assert cfg.check_devices(8) == {"data": 8, "fsdp": 1, "tensor": 1}
+  assert cfg.check_devices(8) == {"stage": 1, "data": 8, "fsdp": 1, "tensor": 1}
   c = base()
   c.rollout.num_prompts, c.rollout.group_size = 3, 2     # 6 sequences over 4 devices
   c.task.eval_problems = 8

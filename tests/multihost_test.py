@@ -59,7 +59,7 @@ def _single_process(sizes: dict) -> dict:
 
 def _expected_rows(mesh_device_ids, rows: int) -> dict[int, tuple[int, int]]:
   """Device id -> its rows: the batch splits over (data, fsdp) in grid order; tensor peers share rows."""
-  grid = np.asarray(mesh_device_ids)  # [data, fsdp, tensor]
+  grid = np.asarray(mesh_device_ids)[0]  # [stage=1, data, fsdp, tensor] -> [data, fsdp, tensor]
   groups = grid.shape[0] * grid.shape[1]
   per = rows // groups
   return {int(grid[d, f, t]): ((d * grid.shape[1] + f) * per, (d * grid.shape[1] + f + 1) * per)
@@ -78,7 +78,7 @@ def _check_reads(outs: list[dict], name: str) -> None:
     assert all(r == list(range(r[0], r[-1] + 1)) for r in reads)  # sample index = row here
     assert {int(d): tuple(v) for d, v in o[name]["device_rows"].items()} == \
         {d: expected[d] for d in o["local_devices"]}
-    tensor = len(ids[0][0])
+    tensor = np.shape(ids)[-1]
     assert len(reads) == len(o["local_devices"]) // tensor  # once per group, not once per device
     read_rows += [i for r in reads for i in r]
   assert sorted(read_rows) == list(range(rows))  # disjoint, and [0, rows) covered

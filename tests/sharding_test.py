@@ -13,7 +13,7 @@ from rl_fusion_jax.testing.tiny import tiny_model_config
 
 def test_mesh_resolves_minus_one():
   mesh = make_mesh(MeshConfig(data=-1, fsdp=2, tensor=2))
-  assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+  assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 2, "tensor": 2}
   assert mesh.size == jax.device_count() == 8
 
 

@@ -20,8 +20,9 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from rl_fusion_jax.models import moe
+from rl_fusion_jax.models.block import DecoderLayer
 from rl_fusion_jax.models.config import ModelConfig
-from rl_fusion_jax.models.layers import (F32, PROJ_NAME, DecoderLayer, RMSNorm, make_param,
+from rl_fusion_jax.models.layers import (F32, PROJ_NAME, RMSNorm, make_param,
                                           mixed_matmul)
 
 Params = dict[str, Any]

@@ -112,9 +112,13 @@ class Programs:
                                             r.max_new_tokens, self.state_shardings, d.train_rules)
     self.packed_step, self.row_buckets = None, ()
     if cfg.optim.pack_rows:
-      self.packed_step = packed_step.make_packed_rl_step(model_cfg, cfg.algo, temperature, self.tx, self.micro,
-                                                         self.mesh, r.max_new_tokens, self.state_shardings)
-      multiple = packing.row_multiple(mesh_lib.batch_shards(self.mesh), cfg.optim.micro_batches)
+      self.packed_step = packed_step.make_packed_rl_step(
+          model_cfg, cfg.algo, temperature, self.tx, self.micro, self.mesh, r.max_new_tokens,
+          self.state_shardings, pipeline_micro=cfg.optim.pipeline_micro_batches, rules=d.train_rules)
+      # With pipeline stages every micro-batch also splits into whole pipeline pieces on every batch shard.
+      stages = mesh_lib.num_stages(self.mesh)
+      pieces = (cfg.optim.pipeline_micro_batches or stages) if stages > 1 else 1
+      multiple = packing.row_multiple(mesh_lib.batch_shards(self.mesh) * pieces, cfg.optim.micro_batches)
       self.row_buckets = packing.row_buckets(r.batch_size, multiple, per_doubling=2)
     # Reference and reward models run on the deployment's aux mesh (the training mesh unless hybrid).
     self.aux_mesh = d.aux_mesh

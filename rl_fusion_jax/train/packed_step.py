@@ -33,6 +33,8 @@ from rl_fusion_jax.config import AlgoConfig
 from rl_fusion_jax.models import decoder
 from rl_fusion_jax.queue.global_batch import global_batch
 from rl_fusion_jax.sharding import pipeline
+from rl_fusion_jax.sharding.expert_parallel import with_expert_parallel
+from rl_fusion_jax.sharding.rules import TRAIN_RULES
 from rl_fusion_jax.sharding.mesh import batch_sharding, batch_shards, num_stages, replicated
 from rl_fusion_jax.train import packing
 from rl_fusion_jax.train import step as step_lib
@@ -174,7 +176,7 @@ def check_packable(algo: AlgoConfig) -> None:
 
 def make_packed_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx,
                         micro: step_lib.MicroBatching | int, mesh: Mesh, norm_len: int, shardings: TrainState,
-                        *, pipeline_micro: int = 0):
+                        *, pipeline_micro: int = 0, rules=None):
   """``train_step(state, packed_batch) -> (state, metrics)``: one compile per row bucket, state donated.
 
   Same arguments as ``step.make_rl_step``; the batch's row count must be a multiple of
@@ -182,11 +184,13 @@ def make_packed_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx,
   micro-batch count is derived from its rows and width (``step.micro_batch_count``). On a mesh with
   pipeline stages the layers run as a pipeline of ``pipeline_micro`` pieces per micro-batch
   (``optim.pipeline_micro_batches``; ``pipelined_loss``), and the rows must also be a multiple of
-  ``batch_shards * micro.count * pieces``.
+  ``batch_shards * micro.count * pieces``. ``rules``: the training rule table ``shardings`` came from
+  (default TRAIN_RULES; an MoE policy's experts run expert-parallel in that layout).
   """
   check_packable(algo)
   micro = step_lib.as_micro_batching(micro)
   fn = functools.partial(packed_rl_step, model_cfg, algo, temperature, tx, micro, mesh, norm_len,
                          pipeline_micro)
+  fn = with_expert_parallel(fn, model_cfg, mesh, TRAIN_RULES if rules is None else rules)
   return jax.jit(fn, in_shardings=(shardings, packed_batch_shardings(mesh)),
                  out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
