@@ -89,3 +89,10 @@ def test_stalesync_trains_an_moe_policy(tmp_path):
   assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
   assert max(r["stalesync/staleness_max"] for r in rows) == 1
   assert all(r["moe/load_balance_loss"] > 0 for r in rows)
+
+
+def test_experts_not_dividing_the_expert_parallel_degree_fail_before_writing(tmp_path):
+  """8 devices, experts over fsdp x data = 8 while training: 4 experts cannot be split."""
+  with pytest.raises(ValueError, match=r"model\.num_experts=4"):
+    loop.run(moe_cfg("colocated", **{"model.num_experts": 4}), str(tmp_path / "w"))
+  assert not (tmp_path / "w").exists()

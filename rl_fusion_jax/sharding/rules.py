@@ -120,6 +120,13 @@ def cache_sharding(cfg: ModelConfig, mesh: Mesh, rules: Rules) -> NamedSharding:
   return NamedSharding(mesh, spec)
 
 
+# The ModelConfig field behind a logical axis' size, named when that size does not divide its mesh axes
+# (e.g. num_experts over the expert-parallel degree). Axes whose size has several sources ('mlp': dense or
+# shared-expert hidden; 'layers': one of two stacks) are left unnamed.
+_MODEL_FIELDS = {"expert": "num_experts", "moe_mlp": "moe_intermediate_size", "q_heads": "num_heads",
+                 "kv_heads": "num_kv_heads", "vocab": "vocab_size", "embed": "hidden_size"}
+
+
 def param_shardings(abstract_params, logical_axes, mesh: Mesh, rules: Rules):
   """NamedSharding per parameter; raises naming the parameter if a dimension does not divide."""
   def one(path, leaf, axes):
@@ -127,8 +134,10 @@ def param_shardings(abstract_params, logical_axes, mesh: Mesh, rules: Rules):
     for dim, (size, part) in enumerate(zip(leaf.shape, tuple(spec) + (None,) * leaf.ndim)):
       parts, shards = _shards(part, mesh)
       if size % shards:
+        field = _MODEL_FIELDS.get(axes[dim])
+        hint = f" (model.{field}={size}: the degree of the rule's mesh axes must divide it)" if field else ""
         raise ValueError(f"parameter {jax.tree_util.keystr(path)} dimension {dim} (size {size}, logical "
-                         f"{axes[dim]!r}) does not divide over mesh axes {parts} ({shards} shards)")
+                         f"{axes[dim]!r}) does not divide over mesh axes {parts} ({shards} shards){hint}")
     return NamedSharding(mesh, spec)
 
   return jax.tree_util.tree_map_with_path(
