@@ -24,6 +24,9 @@ rollout_fraction 0.5: 32 groups outstanding, 16 trained per update, decoupled-PP
 load-balance loss 0.01 and z-loss 1e-3; experts over data x fsdp while training and over fsdp while
 generating, so on the 2-device CPU default each device holds 4 experts in training and all 8 while
 generating). Append ``,stalesync`` (``:moe,stalesync``) to combine it with the StaleSync variant.
+``:moe`` on the 2-core AMD EPYC (run.seed 0, 479 s, the same recipe): accuracy before RL 0.807, after RL
+0.963; pass@1 0.734 -> 0.908, pass@8 0.939 -> 0.994; the load-balance loss went 2.29 -> 2.20 (2 is
+perfect balance) with every expert taking 9.4-18.3% of the assignments at the last step.
 """
 import ml_collections
 
