@@ -15,6 +15,7 @@ from rl_fusion_jax.fusion.deployment import make_deployment
 from rl_fusion_jax.models import reward_model
 from rl_fusion_jax.orchestration import loop, phases
 from rl_fusion_jax.sharding import memory
+from rl_fusion_jax.testing.experiments import rl_step_traces
 from rl_fusion_jax.timeline import load_timeline, summarize, timeline_path
 from rl_fusion_jax.train import state as state_lib
 from rl_fusion_jax.train import step as step_lib
@@ -48,27 +49,12 @@ def cfg(mode, **over):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   """One 4-step run per mode; also counts the jaxpr traces of every RL step."""
-  traces = []
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda event, duration, **kw: traces.append(event) if "trace" in event else None)
-  original = phases.rl_step
-  per_step = {}
-
-  def counting(setup, programs, state, ref, step, *args):
-    before = len(traces)
-    out = original(setup, programs, state, ref, step, *args)
-    per_step[(programs.deployment.mode, step)] = len(traces) - before
-    return out
-
   out = {}
-  phases.rl_step = counting
-  try:
+  with rl_step_traces() as per_step:
     for mode in MODES:
       workdir = str(tmp_path_factory.mktemp(mode))
       summary = loop.run(cfg(mode), workdir)
       out[mode] = (workdir, summary, [r for r in metrics_lib.read_metrics(workdir) if "loss" in r])
-  finally:
-    phases.rl_step = original
   out["traces"] = per_step
   return out
 

@@ -1,11 +1,10 @@
 """RL on an MoE policy: GRPO in every deployment mode gives the same metrics (router losses and
 per-expert load included), compiles nothing new after the first steps, and runs under StaleSync."""
-import jax
 import pytest
 
 from rl_fusion_jax import metrics as metrics_lib
-from rl_fusion_jax.orchestration import loop, phases
-from rl_fusion_jax.testing.experiments import TINY_MOE, tiny
+from rl_fusion_jax.orchestration import loop
+from rl_fusion_jax.testing.experiments import TINY_MOE, rl_step_traces, tiny
 
 MODES = ("colocated", "full", "separated", "hybrid")
 STEPS = 3
@@ -21,27 +20,13 @@ def moe_cfg(mode, **over):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  traces = []
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda event, duration, **kw: traces.append(event) if "trace" in event else None)
-  original = phases.rl_step
-  per_step = {}
-
-  def counting(setup, programs, state, ref, step, *args):
-    before = len(traces)
-    out = original(setup, programs, state, ref, step, *args)
-    per_step[(programs.deployment.mode, step)] = len(traces) - before
-    return out
-
+  """One run per mode; also counts the jaxpr traces of every RL step."""
   out = {}
-  phases.rl_step = counting
-  try:
+  with rl_step_traces() as per_step:
     for mode in MODES:
       workdir = str(tmp_path_factory.mktemp(mode))
       summary = loop.run(moe_cfg(mode), workdir)
       out[mode] = (summary, [r for r in metrics_lib.read_metrics(workdir) if "loss" in r])
-  finally:
-    phases.rl_step = original
   out["traces"] = per_step
   return out
 

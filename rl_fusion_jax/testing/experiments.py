@@ -1,6 +1,8 @@
 """Seconds-scale experiment configs for tests of the loop (2-layer model, 4 prompts x 2 samples)."""
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from rl_fusion_jax import config as config_lib
@@ -39,3 +41,28 @@ TINY_MOE = {"model.model_type": "qwen3_moe", "model.qkv_bias": False, "model.qk_
 
 def tiny(**overrides: Any) -> config_lib.ExperimentConfig:
   return config_lib.experiment_from_dict(tiny_dict(**overrides))
+
+
+@contextlib.contextmanager
+def rl_step_traces() -> Iterator[dict[tuple[str, int], int]]:
+  """While active, counts the jaxpr traces each ``phases.rl_step`` call makes; yields the dict
+  (deployment mode, step index) -> traces, filled as the loop runs (the no-recompile checks)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from rl_fusion_jax.orchestration import phases  # pylint: disable=import-outside-toplevel
+  traces: list[str] = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, duration, **kw: traces.append(event) if "trace" in event else None)
+  original = phases.rl_step
+  per_step: dict[tuple[str, int], int] = {}
+
+  def counting(setup, programs, state, ref, step, *args):
+    before = len(traces)
+    out = original(setup, programs, state, ref, step, *args)
+    per_step[(programs.deployment.mode, step)] = len(traces) - before
+    return out
+
+  phases.rl_step = counting
+  try:
+    yield per_step
+  finally:
+    phases.rl_step = original
