@@ -19,20 +19,13 @@ from safetensors.numpy import save_file
 
 from rl_fusion_jax import models
 from rl_fusion_jax.models import hf_io
+from rl_fusion_jax.testing import fixture_paths
 
-FIXTURES_DIR = os.path.join(os.path.dirname(models.__file__), "..", "testing", "hf_fixtures")
 FIXTURES = ("qwen2_f32", "qwen2_tied_bf16", "llama_gqa_f32", "llama3_rope")
 FORWARD = jax.jit(models.forward, static_argnums=0)
 
 
-def _fixture(name):
-  return os.path.join(FIXTURES_DIR, name)
-
-
-def _copy_fixture(name, tmp_path):
-  dst = tmp_path / name
-  shutil.copytree(_fixture(name), dst)
-  return str(dst)
+_fixture, _copy_fixture = fixture_paths.fixture, fixture_paths.copy_fixture
 
 
 def _max_error(cfg, params, folder):

@@ -21,20 +21,13 @@ from safetensors.numpy import save_file
 
 from rl_fusion_jax import models
 from rl_fusion_jax.models import decoder, hf_io
+from rl_fusion_jax.testing import fixture_paths
 
-FIXTURES_DIR = os.path.join(os.path.dirname(models.__file__), "..", "testing", "hf_fixtures")
 FIXTURES = ("qwen3_f32", "qwen2_moe_f32", "qwen3_moe_bf16")
 FORWARD = jax.jit(models.forward, static_argnums=0)
 
 
-def _fixture(name):
-  return os.path.join(FIXTURES_DIR, name)
-
-
-def _copy_fixture(name, tmp_path):
-  dst = tmp_path / name
-  shutil.copytree(_fixture(name), dst)
-  return str(dst)
+_fixture, _copy_fixture = fixture_paths.fixture, fixture_paths.copy_fixture
 
 
 def _config_json(name):
