@@ -22,7 +22,7 @@ metrics.jsonl and timeline.jsonl over the measured steps:
   * trained tok/s: real (prompt + response) tokens trained (``train_tokens``) / the window from the end
     of the last unmeasured update to the end of the last measured one (timeline 'train' phases), so a
     rollout side that runs ahead of the trainer (one process per side) is measured like the others;
-  * step, generate, train: medians of ``step_s``, ``generate_s``, ``train_s``;
+  * step: the median time between update ends; generate, train: medians of ``generate_s``, ``train_s``;
   * decode steps: median per step (the engine's steps do not depend on the machine's load);
   * slot utilization: generated tokens / (decode steps x slots), summed over the steps;
   * awaited groups: median ``stalesync/forced_groups``, in-flight groups a rollout phase had to finish
@@ -117,44 +117,18 @@ def check_forced(name: str, cfg: dict, rows: list[dict]) -> None:
                            f"not that of the forced lengths ({expected})")
 
 
-def update_done(data, step: int) -> float:
-  """When the update of (0-based) ``step`` finished: the end of its 'train' phase on the timeline."""
-  ends = [i.end for i in data.intervals if i.name == "train" and i.step == step]
-  if not ends:
-    raise RuntimeError(f"no 'train' phase of step {step} on the timeline")
-  return max(ends)
-
-
 def measure(name: str, workdir: str) -> dict:
-  """The row of one run: the measured steps' figures (see the module docstring)."""
-  from rl_fusion_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
-  from rl_fusion_jax import timeline as timeline_lib  # pylint: disable=g-import-not-at-top
-  with open(os.path.join(workdir, "config.json")) as f:
-    cfg = json.load(f)
-  lo, hi = _WARM.value, _WARM.value + _STEPS.value
-  rows = [m for m in metrics_lib.read_metrics(workdir) if "train_tokens" in m and lo < m["step"] <= hi]
-  if len(rows) != _STEPS.value:
-    raise RuntimeError(f"{name}: {len(rows)} measured steps in {workdir}, expected {_STEPS.value}")
-  check_forced(name, cfg, rows)
-  data = timeline_lib.load_timeline(timeline_lib.timeline_path(workdir))
-  start, end = update_done(data, lo - 1), update_done(data, hi - 1)
-  groups = timeline_lib.summarize_between(data, start, end)
-  wall = end - start
-  slots = cfg["rollout"]["num_slots"] or cfg["rollout"]["num_prompts"] * cfg["rollout"]["group_size"]
-  total = lambda key: sum(m.get(key, 0.0) for m in rows)
-  median = lambda key: statistics.median(m.get(key, 0.0) for m in rows)
-  train_s = [m["train_s"] for m in rows]
-  return {
-      "wall_s": wall, "trained_tokens_per_s": total("train_tokens") / wall, "step_s": median("step_s"),
-      "generate_s": median("generate_s"), "train_s": median("train_s"),
-      "slot_utilization": total("engine/generated_tokens") / max(1.0, total("engine/decode_steps") * slots),
-      "staleness_mean": statistics.fmean(m.get("stalesync/trained_token_staleness_mean", 0.0) for m in rows),
-      "staleness_max": max(m.get("stalesync/staleness_max", 0.0) for m in rows),
-      "response_len_mean": median("response_len_mean"), "decode_steps": median("engine/decode_steps"),
-      "forced_groups": median("stalesync/forced_groups"),
-      "idle_frac": {g: s.idle_s / s.span_s for g, s in groups.items()},
-      # A train phase 5x the median is most likely a compile (a new packed-row bucket) inside the window.
-      "train_outliers": sum(t > 5 * statistics.median(train_s) for t in train_s)}
+  """The row of one run: the measured steps' figures (``rl_fusion_jax/sim/measure.py``, shared with
+  experiments/ablation_main.py and the simulator's fit)."""
+  from rl_fusion_jax.sim import measure as measure_lib  # pylint: disable=g-import-not-at-top
+  run = measure_lib.load(workdir, _WARM.value, _STEPS.value)
+  check_forced(name, run.config, run.rows)
+  out = measure_lib.summarize(run)
+  # A train phase 3x the median is most likely a compile (a new packed-row bucket) inside the window.
+  out["train_outliers"] = out.pop("compile_steps")
+  for key in ("phase_s", "compile_excess_s", "trained_tokens_per_s_steady", "trained_tokens", "steps"):
+    out.pop(key)
+  return out
 
 
 def combine(runs: list[dict]) -> dict:

@@ -115,3 +115,35 @@ def summary_line(summary: dict) -> str:
     parts.append(f"{key} {before[key]:.3f} -> {after[key]:.3f}")
   parts.append(f"({summary['steps']} RL steps)")
   return "  ".join(parts)
+
+
+def run_binary(binary: str, args: list[str], log_path: str) -> float:
+  """Runs ``experiments/<binary>`` in a fresh process with ``args`` (its output to ``log_path``);
+  returns its wall seconds; raises RuntimeError with the log's tail when it fails."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), binary)] + list(args)
+  t0 = time.perf_counter()
+  with open(log_path, "w") as log:
+    done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False)
+  if done.returncode:
+    with open(log_path) as log:
+      raise RuntimeError(f"{' '.join(cmd)} failed (status {done.returncode}):\n{log.read()[-3000:]}")
+  return time.perf_counter() - t0
+
+
+def exported_warmup(root: str, steps: int, cache: str) -> str:
+  """The main job's warm-up (experiments/configs/arithmetic.py, ``steps`` supervised steps, warmup.seed 0)
+  exported as a Hugging Face folder ROOT/warmup_hf (``grpo_main.py --export_hf``), made once and then
+  reused: RL runs start from it with ``--config.model.hf_path`` and ``--config.warmup.steps=0``."""
+  out = os.path.join(root, "warmup_hf")
+  if os.path.isfile(os.path.join(out, "model.safetensors")):
+    return out
+  os.makedirs(root, exist_ok=True)
+  config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "arithmetic.py")
+  print(f"warm-up ({steps} steps) -> {out}", flush=True)
+  run_binary("grpo_main.py", [f"--config={config}", f"--workdir={os.path.join(root, 'warmup_run')}",
+                              f"--compilation_cache={cache}", "--config.run.steps=0",
+                              f"--config.warmup.steps={steps}", "--config.task.eval_samples=0",
+                              f"--export_hf={out}"], os.path.join(root, "warmup_run.log"))
+  return out

@@ -22,6 +22,8 @@ _TENSORBOARD = flags.DEFINE_bool("tensorboard", False, "Also write TensorBoard l
 _RESUME_OVERRIDE = flags.DEFINE_list(
     "resume_override", [], "Config fields (e.g. rollout.num_prompts) a resumed run may change although "
     "they change the meaning of the run; each is logged and recorded in DIR/resume_log.jsonl.")
+_EXPORT_HF = flags.DEFINE_string("export_hf", "", "Also write the final policy as a Hugging Face checkpoint "
+                                  "folder here (loadable with --config.model.hf_path).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -35,7 +37,7 @@ def main(argv):
     from rl_fusion_jax.orchestration import loop
     logging.info("config:\n%s", _CONFIG.value)
     summary = loop.run(cfg, _WORKDIR.value, tensorboard=_TENSORBOARD.value,
-                       resume_overrides=_RESUME_OVERRIDE.value)
+                       resume_overrides=_RESUME_OVERRIDE.value, export_hf=_EXPORT_HF.value)
   except RunError as e:
     sys.stderr.write(f"error: {e}\n")
     sys.exit(1)

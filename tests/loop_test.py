@@ -38,12 +38,13 @@ def test_group_size_must_divide_batch():
 
 def test_run_writes_outputs(tmp_path):
   straight = str(tmp_path / "straight")
-  summary = loop.run(tiny(), straight)
+  summary = loop.run(tiny(), straight, export_hf=str(tmp_path / "final_hf"))
   records = metrics_lib.read_metrics(straight)
   steps = [r for r in records if "loss" in r]
   assert [r["step"] for r in steps] == [1, 2, 3]
   for key in ("reward", "accuracy", "entropy", "response_len_mean", "generate_tokens_per_s",
-              "train_tokens_per_s", "step_s", "grad_norm", "train_width"):
+              "train_tokens_per_s", "step_s", "grad_norm", "train_width", "engine/decode_chunks",
+              "engine/prefill_calls", "engine/prefill_rows", "engine/reprefill_rows"):
     assert key in steps[0], key
   # Rows are cut to the longest sample, rounded up to a width bucket (step.train_width), never wider.
   assert all(r["train_width"] <= 12 and r["train_width"] % 4 == 0 for r in steps)
@@ -52,6 +53,13 @@ def test_run_writes_outputs(tmp_path):
   assert sorted(os.listdir(os.path.join(straight, "checkpoints"))) == ["2", "3"]   # keep_checkpoints=2
 
   # Resume (exact values, fallback, exactly-once outputs) is tested in resume_test.py.
+
+  # The exported final policy loads (model.hf_path, no warm-up) and evaluates as the run's last
+  # evaluation did: greedy decoding of the same held-out problems under the same weights.
+  start = config_lib.as_dict(tiny(**{"warmup.steps": 0, "run.steps": 0}))
+  start["model"] = {"hf_path": str(tmp_path / "final_hf"), "scan_unroll": 2}
+  again = loop.run(config_lib.experiment_from_dict(start), str(tmp_path / "again"))
+  assert again["eval_before"] == summary["eval_after"]
 
 
 FIXTURES = os.path.join(ROOT, "rl_fusion_jax", "testing", "hf_fixtures")

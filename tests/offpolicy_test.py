@@ -316,3 +316,36 @@ def test_behaviour_and_proximal_are_not_differentiated():
     grads = jax.grad(objective, argnums=(0, 1))(behaviour_bt, logp_bt - 0.1)
     for g in grads:
       np.testing.assert_array_equal(g, np.zeros(logp_bt.shape))
+
+
+# ----------------------------------------------------------------------------------------------------
+# uncorrected (the no-correction arm: behaviour log-probs never enter the loss)
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_uncorrected_hand_cases():
+  # eps = 0.2. r = exp(logp - prox), loss = -min(r*A, clip(r)*A), no behaviour weight:
+  #   a: beh -3.0, prox -0.5, r = 1.1, A = 2:  loss -2.2, grad -2*1.1 = -2.2   (w = e^2.5 = 12.182494)
+  #   b: beh -1.0, prox -1.0, r = 1.5, A = 2:  loss -min(3, 2.4) = -2.4 (clipped), grad 0  (w = 1)
+  #   c: beh  0.0, prox -1.0, r = 0.9, A = -1: loss -min(-0.9, -0.9) = 0.9, grad 0.9  (w = e^-1)
+  behaviour, prox, ratio = [-3.0, -1.0, 0.0], [-0.5, -1.0, -1.0], [1.1, 1.5, 0.9]
+  adv_b = jnp.array([2.0, 2.0, -1.0])
+  loss_bt, stats, grad_bt = _loss_and_grad(
+      offpolicy.uncorrected_surrogate, _col(np.add(prox, LN(ratio))), _col(behaviour), adv_b,
+      proximal_logp_bt=_col(prox), is_cap=5.0)
+  np.testing.assert_allclose(loss_bt[:, 0], [-2.2, -2.4, 0.9], rtol=1e-5)
+  np.testing.assert_allclose(grad_bt[:, 0], [-2.2, 0.0, 0.9], rtol=1e-5, atol=0)
+  np.testing.assert_allclose(stats["is_weight"][:, 0], [12.182494, 1.0, 0.367879], rtol=1e-5)
+  np.testing.assert_array_equal(stats["is_truncated"][:, 0], [1, 0, 0])   # reported, not applied
+  np.testing.assert_array_equal(stats["clipped"][:, 0], [0, 1, 0])
+
+
+def test_uncorrected_default_proximal_is_reinforce_whatever_the_behaviour():
+  # prox = stop_gradient(logp): r = 1, so d loss / d logp = -A for every token, stale or not.
+  logp_bt = _col([-0.3, -2.0, -1.0])
+  adv_b = jnp.array([1.5, -0.5, 2.0])
+  for behaviour in ([-0.3, -2.0, -1.0], [-5.0, 0.0, -0.1]):
+    loss_bt, stats, grad_bt = _loss_and_grad(offpolicy.uncorrected_surrogate, logp_bt, _col(behaviour), adv_b)
+    np.testing.assert_allclose(grad_bt[:, 0], [-1.5, 0.5, -2.0], rtol=1e-6)
+    np.testing.assert_allclose(loss_bt[:, 0], [-1.5, 0.5, -2.0], rtol=1e-6)
+    np.testing.assert_allclose(stats["ratio"][:, 0], [1.0, 1.0, 1.0], rtol=1e-6)

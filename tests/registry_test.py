@@ -50,6 +50,7 @@ def test_policy_kl_and_aggregation_names_resolve():
       "decoupled_ppo": offpolicy.decoupled_ppo_surrogate,
       "tis_token": offpolicy.tis_token_loss,
       "tis_seq": offpolicy.tis_seq_loss,
+      "uncorrected": offpolicy.uncorrected_surrogate,
   }
   assert set(registry.POLICY_LOSSES) == set(want_losses)
   for name, fn in want_losses.items():
@@ -163,7 +164,7 @@ def test_import_has_no_side_effects():
       "import rl_fusion_jax.algorithms.registry as r\n"
       "from jax._src import xla_bridge\n"
       "assert not xla_bridge.backends_are_initialized()\n"
-      "assert sorted(r.POLICY_LOSSES) == ['decoupled_ppo', 'ppo_clip', 'tis_seq', 'tis_token']\n"
+      "assert sorted(r.POLICY_LOSSES) == ['decoupled_ppo', 'ppo_clip', 'tis_seq', 'tis_token', 'uncorrected']\n"
       "assert sorted(r.TOKEN_ADVANTAGE_ESTIMATORS) == ['gae']\n"
   )
   repo_root = pathlib.Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Policy losses that correct for stale (off-policy) tokens: decoupled PPO and truncated importance sampling.
+"""Policy losses for stale (off-policy) tokens: decoupled PPO, truncated importance sampling, and none.
 
 Under StaleSync a token may have been sampled by an older policy version than the one being trained.
 Three policies then meet in the loss:
@@ -138,6 +138,56 @@ def decoupled_ppo_surrogate(
       "log_ratio_clamped": jnp.maximum(ratio_clamped_bt, w_clamped_bt),
   }
   return w_trunc_bt * ppo_bt, stats
+
+
+def uncorrected_surrogate(
+    logp_bt: Float[ArrayLike, "b t"],
+    behaviour_logp_bt: Float[ArrayLike, "b t"],
+    adv: Float[ArrayLike, "b"] | Float[ArrayLike, "b t"],
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    is_cap: float = IS_CAP,
+    proximal_logp_bt: Float[ArrayLike, "b t"] | None = None,
+    mask_bt: ArrayLike | None = None,
+    log_ratio_clamp: float = LOG_RATIO_CLAMP,
+) -> tuple[Float[Array, "b t"], Stats]:
+  """No off-policy correction: PPO's clipped surrogate around the proximal policy, with the behaviour
+  weight fixed at 1, so tokens of older policies are trained on as if the current policy had sampled
+  them (the uncorrected arm of the staleness ablation; ``experiments/staleness_main.py``).
+
+      r = exp(clamp(logp - prox))
+      loss = -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)
+
+  With the default prox = stop_gradient(logp) (one optimizer update per batch): r = 1 in value, no
+  clip is active and the gradient is -A * grad log pi, REINFORCE with the advantage, whatever policy
+  sampled the token. The behaviour log-probs only feed the reported "is_weight" (what the correction
+  would have weighted the token by), never the loss.
+
+  Args: as `decoupled_ppo_surrogate`; is_cap is checked but only labels "is_truncated".
+  Returns: loss_bt and the `losses.POLICY_LOSS_STATS` keys, "is_weight" w = exp(clamp(prox - behaviour)).
+  """
+  del mask_bt  # Unused: aggregation applies the mask.
+  _check_clip_params(clip_low, clip_high, dual_clip)
+  logp_bt, behaviour_bt, prox_bt, adv_bt = _prepare(
+      logp_bt, behaviour_logp_bt, adv, proximal_logp_bt, log_ratio_clamp, is_cap
+  )
+  ratio_bt, ratio_clamped_bt = clamped_exp(logp_bt - prox_bt, log_ratio_clamp)
+  ppo_bt, clipped_bt, dual_clipped_bt = ppo_clip_term(
+      ratio_bt, adv_bt, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
+  )
+  w_bt, w_clamped_bt = clamped_exp(prox_bt - behaviour_bt, log_ratio_clamp)
+  _, truncated_bt = _truncate(w_bt, is_cap)
+  stats = {
+      "ratio": ratio_bt,
+      "clipped": clipped_bt,
+      "dual_clipped": dual_clipped_bt,
+      "is_weight": w_bt,
+      "is_truncated": truncated_bt,
+      "log_ratio_clamped": jnp.maximum(ratio_clamped_bt, w_clamped_bt),
+  }
+  return ppo_bt, stats
 
 
 def _tis_stats(ratio_bt, ratio_clamped_bt, w_bt, truncated_bt, w_clamped_bt) -> Stats:

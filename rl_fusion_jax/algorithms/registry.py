@@ -53,6 +53,7 @@ POLICY_LOSSES: dict[str, Callable] = {
     "decoupled_ppo": offpolicy.decoupled_ppo_surrogate,
     "tis_token": offpolicy.tis_token_loss,
     "tis_seq": offpolicy.tis_seq_loss,
+    "uncorrected": offpolicy.uncorrected_surrogate,
 }
 POLICY_LOSS_KEYWORDS = (
     "clip_low", "clip_high", "dual_clip", "is_cap", "proximal_logp_bt", "mask_bt", "log_ratio_clamp"

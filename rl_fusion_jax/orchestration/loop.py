@@ -109,8 +109,13 @@ def _validate(cfg: ExperimentConfig, workdir: str, tensorboard: bool, overrides:
 
 
 def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False,
-        resume_overrides: Sequence[str] = ()) -> dict[str, Any]:
-  """Runs (or resumes) the experiment in ``workdir``; returns the summary also written to summary.json."""
+        resume_overrides: Sequence[str] = (), export_hf: str = "") -> dict[str, Any]:
+  """Runs (or resumes) the experiment in ``workdir``; returns the summary also written to summary.json.
+
+  ``export_hf``: also write the final policy (after the last RL step; the warmed-up one when
+  ``run.steps`` is 0) as a Hugging Face checkpoint folder there (``models.save_hf``), which
+  ``model.hf_path`` loads: e.g. one warm-up shared by many RL runs.
+  """
   # 1. Validate before anything is compiled or written.
   setup, prior = _validate(cfg, workdir, tensorboard, resume_overrides)
 
@@ -133,7 +138,10 @@ def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False,
       logging.info("resume: pruned %s to the newest %d checkpoints", c.directory, c.keep)
   writer = metrics_lib.make_writer(workdir, tensorboard)
   try:   # pending asynchronous saves complete (or fail) before any error leaves run()
-    summary = _train(setup, programs, restored, timeline, rl_ckpt, warm_ckpt, writer)
+    summary, state = _train(setup, programs, restored, timeline, rl_ckpt, warm_ckpt, writer)
+    if export_hf:
+      models.save_hf(cfg.model.config, state.params, export_hf)
+      logging.info("final policy written to %s", export_hf)
   finally:
     rl_ckpt.close()
     warm_ckpt.close()
@@ -216,7 +224,7 @@ def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ck
   return {"accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
           "format_rate_before": before["format_rate"], "format_rate_after": after["format_rate"],
           "eval_before": before, "eval_after": after,
-          "steps": cfg.run.steps, "mode": d.mode, "updates_skipped": guard.skipped}
+          "steps": cfg.run.steps, "mode": d.mode, "updates_skipped": guard.skipped}, state
 
 
 def _warm_start(setup: Setup, programs: Programs, restored, warm_ckpt, timeline: Timeline,

@@ -229,7 +229,12 @@ def generation_phase(programs: Programs, state, step: int, timeline: Timeline, r
               "engine/generated_tokens": tokens,
               "engine/slot_utilization": float(result.stats.get("slot_utilization", 0.0)),
               "engine/kv_cache_bytes": float(kv_cache_bytes(programs.cfg)),
-              "engine/decode_steps": float(result.stats.get("decode_steps", 0))}
+              "engine/decode_steps": float(result.stats.get("decode_steps", 0)),
+              # What the generate phase's time is made of (the simulator's cost fit: rl_fusion_jax/sim):
+              # decode chunks (one host round trip each), prefill calls, and the rows they inserted (new
+              # samples) or recomputed (samples carried in flight from the previous phase).
+              **{f"engine/{k}": float(result.stats.get(k, 0))
+                 for k in ("decode_chunks", "prefill_calls", "prefill_rows", "reprefill_rows")}}
   return state, result, metrics
 
 
@@ -404,6 +409,10 @@ def rl_step(setup: Setup, programs: Programs, state, ref_resting, step: int, tim
   return state, metrics | m | {"step_s": time.perf_counter() - t_start, "prompts_drawn": r.num_prompts}
 
 
+SUMMED_OVER_ROUNDS = ("generate_s", "engine/generated_tokens", "engine/decode_steps", "engine/decode_chunks",
+                      "engine/prefill_calls", "engine/prefill_rows", "engine/reprefill_rows")
+
+
 def _generate_round(setup: Setup, programs: Programs, state, step: int, timeline: Timeline, first: int):
   """Generates ``group_size`` samples of the ``num_prompts`` problems from index ``first`` ->
   (problems, (state, engine result), metrics)."""
@@ -433,7 +442,7 @@ def _dynamic_batch(setup: Setup, programs: Programs, state, step: int, timeline:
                                                    first + rounds * r.num_prompts)
     rounds += 1
     for k, v in m.items():   # seconds and token counts add up over the rounds; the rest is the last round's
-      metrics[k] = metrics.get(k, 0.0) + v if k in ("generate_s", "engine/generated_tokens") else v
+      metrics[k] = metrics.get(k, 0.0) + v if k in SUMMED_OVER_ROUNDS else v
     rollout = by_sample_id(result.rollout)
     with timeline.phase("reward", group=programs.deployment.train_group, step=step):
       scored = score(setup, programs, rollout, problems)

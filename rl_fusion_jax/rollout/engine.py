@@ -527,6 +527,7 @@ class Engine:
       batch.append((slot, request))
     for start in range(0, len(batch), self.rows):
       chunk = batch[start:start + self.rows]
+      stats["prefill_rows"] += len(chunk)
       # A new sample's prefix is its prompt but the last token, which the first decode step processes.
       need = max(len(request.prompt) for _, request in chunk) - 1
       self._prefill(params, chunk, True, slots.prefill_width(self.programs.widths, need), stats)

@@ -1,0 +1,191 @@
+r"""Learning under staleness: sync vs StaleSync s in {1, 2, 4}, with and without off-policy correction,
+GRPO and PPO + GAE, several seeds, at an equal sample budget, on the main job's task.
+
+  python experiments/staleness_main.py --workdir=/tmp/staleness          # the full grid (RESULTS.md)
+  python experiments/staleness_main.py --workdir=/tmp/staleness_q --quick
+
+The main job's warm-up (experiments/configs/arithmetic.py, 2,500 supervised steps, warmup.seed 0) runs
+once and is exported as a Hugging Face folder (``grpo_main.py --export_hf``); every RL run starts from it
+(``--config.model.hf_path``, no warm-up of its own), so the arms differ only in the RL. Each run is a
+fresh ``grpo_main.py`` process in WORKDIR/runs/<algo>_<arm>_seed<k>; a run whose summary.json exists is
+reused, so an interrupted grid continues where it stopped.
+
+Arms (every arm trains ``--steps`` x 16 prompts x 8 samples; only the schedule and the loss differ):
+  * ``sync``: the synchronous loop, ``ppo_clip`` (on-policy: the behaviour and the proximal policy are
+    the same parameters);
+  * ``s{S}_corrected``: StaleSync with max_staleness S and rollout_fraction 1 / (S + 1), so
+    16 x (S + 1) groups are outstanding and, on this short-answer task, the trained groups reach the
+    bound (staleness S in the steady state); one engine slot per outstanding sample; ``decoupled_ppo``
+    (clip around the proximal policy, truncated behaviour weight, is_cap 5);
+  * ``s{S}_uncorrected``: the same schedule with ``uncorrected`` (the behaviour log-probs never enter
+    the loss: stale tokens are trained on as if sampled now).
+Algorithms: ``grpo`` (arithmetic.py) and ``ppo`` (arithmetic.py:ppo, a critic and GAE).
+
+Writes WORKDIR/staleness.json (per run: the held-out greedy accuracy at every evaluation, the trained
+samples and the RL wall-clock seconds there, the measured staleness), WORKDIR/staleness.md (final
+accuracy per arm, mean +- standard deviation across seeds, min..max) and
+WORKDIR/staleness_{samples,wallclock}.png (mean over seeds with a min..max band). ``--quick``: GRPO only,
+sync and s = 1 both ways, one seed, a 100-step warm-up, 4 RL steps, 32 held-out problems (a check
+that the pipeline works, not a result).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+
+from absl import app, flags
+
+import common
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIG = os.path.join(HERE, "configs", "arithmetic.py")
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (runs, tables, figures); reused.")
+_QUICK = flags.DEFINE_bool("quick", False, "A reduced grid in about a minute (see the module docstring).")
+_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "run.seed of each repeat.")
+_ALGOS = flags.DEFINE_list("algos", ["grpo", "ppo"], "Algorithms: grpo, ppo.")
+_STALENESS = flags.DEFINE_list("staleness", ["1", "2", "4"], "max_staleness values of the StaleSync arms.")
+_STEPS = flags.DEFINE_integer("steps", 150, "RL steps per run (x 128 samples: the sample budget).")
+_EVAL_EVERY = flags.DEFINE_integer("eval_every", 25, "Held-out evaluation every N RL steps.")
+_EVAL_PROBLEMS = flags.DEFINE_integer("eval_problems", 512, "Held-out problems per evaluation (greedy).")
+_CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/rl_fusion_jax/jax_cache",
+                             "Persistent XLA compilation cache of the runs ('' disables).")
+flags.mark_flags_as_required(["workdir"])
+
+ALGOS = {"grpo": "", "ppo": "ppo"}
+BATCH = 16 * 8   # prompts x samples of arithmetic.py
+
+
+def arms(staleness: list[int]) -> dict[str, tuple[str, ...]]:
+  """Arm name -> its config overrides."""
+  out = {"sync": ()}
+  for s in staleness:
+    f = 1.0 / (s + 1)
+    schedule = ("stalesync.enabled=True", f"stalesync.max_staleness={s}", f"stalesync.rollout_fraction={f!r}",
+                f"rollout.num_slots={BATCH * (s + 1)}")
+    out[f"s{s}_corrected"] = schedule + ("algo.policy_loss=decoupled_ppo",)
+    out[f"s{s}_uncorrected"] = schedule + ("algo.policy_loss=uncorrected",)
+  return out
+
+
+def settings() -> dict:
+  if _QUICK.value:
+    return dict(seeds=[0], algos=["grpo"], staleness=[1], steps=4, eval_every=2, eval_problems=32,
+                warmup_steps=100)
+  return dict(seeds=[int(s) for s in _SEEDS.value], algos=list(_ALGOS.value),
+              staleness=[int(s) for s in _STALENESS.value], steps=_STEPS.value, eval_every=_EVAL_EVERY.value,
+              eval_problems=_EVAL_PROBLEMS.value, warmup_steps=2500)
+
+
+def run_one(root: str, hf: str, algo: str, arm: str, overrides: tuple[str, ...], seed: int, s: dict) -> str:
+  workdir = os.path.join(root, "runs", f"{algo}_{arm}_seed{seed}")
+  if os.path.isfile(os.path.join(workdir, "summary.json")):
+    return workdir
+  variant = f":{ALGOS[algo]}" if ALGOS[algo] else ""
+  args = [f"--config={CONFIG}{variant}", f"--workdir={workdir}", f"--config.model.hf_path={hf}",
+          "--config.warmup.steps=0", f"--config.run.seed={seed}", f"--config.run.steps={s['steps']}",
+          f"--config.run.eval_every={s['eval_every']}", f"--config.task.eval_problems={s['eval_problems']}",
+          "--config.task.eval_samples=0", "--config.run.checkpoint_every=0"]
+  args += [f"--config.{o}" for o in overrides]
+  seconds = common.run_binary("grpo_main.py", [f"--compilation_cache={_CACHE.value}"] + args, workdir + ".log")
+  print(f"  {algo} {arm} seed {seed}: {seconds:.0f} s", flush=True)
+  return workdir
+
+
+def read_run(workdir: str) -> dict:
+  """Held-out accuracy at each evaluation with the samples trained and RL seconds so far."""
+  rows = {}
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    for line in f:
+      if line.strip():
+        r = json.loads(line)
+        rows.setdefault(r["step"], {}).update(r)
+  points, seconds, samples = [], 0.0, 0
+  for step in sorted(rows):
+    r = rows[step]
+    if step >= 2:   # step 1's time is mostly compiles (cached or not, depending on the run order)
+      seconds += float(r.get("step_s", 0.0))
+    samples += int(round(float(r.get("train_samples", BATCH if step else 0))))
+    if "eval/accuracy" in r:
+      points.append({"step": step, "samples": samples, "seconds": seconds, "accuracy": float(r["eval/accuracy"])})
+  steps = [rows[k] for k in sorted(rows) if k >= 1]
+  stale = [float(r.get("stalesync/trained_token_staleness_mean", 0.0)) for r in steps]
+  return {"points": points, "token_staleness_mean": statistics.fmean(stale) if stale else 0.0,
+          "staleness_max": max((float(r.get("stalesync/staleness_max", 0.0)) for r in steps), default=0.0),
+          "is_weight_std": statistics.fmean(float(r.get("is_weight_std", 0.0)) for r in steps) if steps else 0.0,
+          "rl_seconds": seconds}
+
+
+def table(results: dict) -> str:
+  lines = ["| algorithm | arm | seeds | final accuracy (mean +- std) | min..max | start | token staleness "
+           "(mean) | RL seconds (mean) |", "|" + "---|" * 8]
+  for algo, by_arm in results.items():
+    for arm, runs in by_arm.items():
+      final = [r["points"][-1]["accuracy"] for r in runs]
+      start = runs[0]["points"][0]["accuracy"]
+      std = statistics.stdev(final) if len(final) > 1 else 0.0
+      lines.append(f"| {algo} | {arm} | {len(runs)} | {statistics.fmean(final):.3f} +- {std:.3f} | "
+                   f"{min(final):.3f}..{max(final):.3f} | {start:.3f} | "
+                   f"{statistics.fmean(r['token_staleness_mean'] for r in runs):.2f} | "
+                   f"{statistics.fmean(r['rl_seconds'] for r in runs):.0f} |")
+  return "\n".join(lines)
+
+
+def plot(results: dict, x_key: str, xlabel: str, out: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.2), squeeze=False)
+  for ax, (algo, by_arm) in zip(axes[0], results.items()):
+    for i, (arm, runs) in enumerate(by_arm.items()):
+      n = min(len(r["points"]) for r in runs)
+      acc = np.array([[p["accuracy"] for p in r["points"][:n]] for r in runs])
+      x = np.array([[p[x_key] for p in r["points"][:n]] for r in runs]).mean(0)
+      color = f"C{i}"
+      style = "-" if arm == "sync" or arm.endswith("_corrected") else "--"
+      ax.plot(x, acc.mean(0), style, color=color, marker="o", ms=3, label=f"{arm} ({len(runs)} seeds)")
+      ax.fill_between(x, acc.min(0), acc.max(0), color=color, alpha=0.15, lw=0)
+    ax.set_title(f"{algo}: held-out greedy accuracy")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(out, dpi=110)
+  plt.close(fig)
+
+
+def main(argv):
+  del argv
+  s = settings()
+  root = os.path.abspath(_WORKDIR.value)
+  os.makedirs(os.path.join(root, "runs"), exist_ok=True)
+  t0 = time.perf_counter()
+  hf = common.exported_warmup(root, s["warmup_steps"], _CACHE.value)
+  grid = arms(s["staleness"])
+  if _QUICK.value:
+    grid = {k: v for k, v in grid.items() if k in ("sync", "s1_corrected", "s1_uncorrected")}
+  results: dict[str, dict[str, list]] = {}
+  for seed in s["seeds"]:           # seed-major: a partial grid already has every arm
+    for algo in s["algos"]:
+      if algo not in ALGOS:
+        raise app.UsageError(f"--algos: unknown {algo!r}; known: {sorted(ALGOS)}")
+      for arm, overrides in grid.items():
+        workdir = run_one(root, hf, algo, arm, overrides, seed, s)
+        results.setdefault(algo, {}).setdefault(arm, []).append(read_run(workdir) | {"seed": seed})
+  md = table(results)
+  plot(results, "samples", "samples trained", os.path.join(root, "staleness_samples.png"))
+  plot(results, "seconds", "RL seconds (sum of step_s from step 2)", os.path.join(root, "staleness_wallclock.png"))
+  with open(os.path.join(root, "staleness.md"), "w") as f:
+    f.write(md + "\n")
+  with open(os.path.join(root, "staleness.json"), "w") as f:
+    json.dump({"settings": s, "results": results, "seconds": time.perf_counter() - t0}, f, indent=1)
+  print(md)
+
+
+if __name__ == "__main__":
+  app.run(main)

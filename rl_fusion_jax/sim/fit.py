@@ -1,0 +1,196 @@
+"""Fitting the simulator's cost parameters to measured runs, and checking it against them.
+
+``fit_costs(runs)`` takes runs of one deployment (colocated, or separated with one process per side) on
+one workload and fits, over all their measured steps:
+  * generation: ``generate_s`` against the engine's counts of the same step (``engine/decode_steps``,
+    ``engine/decode_chunks``, ``engine/prefill_calls``, and a constant per phase), non-negative least
+    squares; a count that does not vary across the steps is folded into the constant;
+  * the update: ``train_s`` against ``train_tokens`` (fixed + per token; the mean rate alone when the
+    token counts hardly vary);
+  * colocated: ``other_s``, the mean of (time between update ends - generate_s - train_s) per step;
+  * separated: the rollout lane's other phases per batch (weights, switch, score, ship), the training
+    lane's (receive, reward, publish) and the weights' push (timeline phase means).
+``workload_from_run`` rebuilds the workload (forced lengths exactly; otherwise a log-normal fitted to
+the measured mean and batch maximum of the response lengths) and ``schedule_from_run`` the schedule.
+``validate`` simulates a run's configuration with fitted costs and compares step time (the median time
+between update ends) and trained tokens/s with what the run measured; the measured tokens/s is the
+"steady" one (``measure.summarize``: the window without the excess of steps a compile fell into, which
+the simulator does not model). Nothing here imports JAX.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+
+import numpy as np
+
+from rl_fusion_jax.sim import measure
+from rl_fusion_jax.sim.costs import Costs, GenCost, TrainCost
+from rl_fusion_jax.sim.schedules import Schedule, simulate
+from rl_fusion_jax.sim.workload import Workload, fit_lognormal
+
+GEN_FEATURES = (("decode_steps", "engine/decode_steps"), ("decode_chunks", "engine/decode_chunks"),
+                ("prefill_calls", "engine/prefill_calls"))
+
+
+def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+  """Least squares with non-negative coefficients (drop the most negative column and refit)."""
+  keep = list(range(x.shape[1]))
+  while True:
+    coef = np.zeros(x.shape[1])
+    if keep:
+      coef[keep] = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
+    negative = [j for j in keep if coef[j] < 0]
+    if not negative:
+      return coef
+    keep.remove(min(negative, key=lambda j: coef[j]))
+
+
+def fit_gen(rows: list[dict]) -> GenCost:
+  rows = [m for m in rows if m.get("generate_s", 0.0) > 0 and "engine/decode_steps" in m]
+  if not rows:
+    raise ValueError("fit_gen: no measured step has a rollout phase with engine counts "
+                     "(engine/decode_steps); rerun with this version of the loop")
+  y = np.array([m["generate_s"] for m in rows])
+  cols, names = [np.ones(len(rows))], ["phase"]
+  for name, key in GEN_FEATURES:
+    v = np.array([float(m.get(key, 0.0)) for m in rows])
+    if v.std() > 1e-9 * max(1.0, abs(v.mean())):
+      cols.append(v)
+      names.append(name)
+  coef = nnls(np.stack(cols, 1), y)
+  fitted = dict(zip(names, coef.tolist()))
+  return GenCost(**fitted)
+
+
+def fit_train(rows: list[dict]) -> TrainCost:
+  t = np.array([m["train_s"] for m in rows])
+  n = np.array([m["train_tokens"] for m in rows], float)
+  if n.std() < 0.05 * n.mean():
+    return TrainCost(0.0, float(t.mean() / n.mean()))
+  coef = nnls(np.stack([np.ones(len(n)), n], 1), t)
+  return TrainCost(float(coef[0]), float(coef[1]))
+
+
+def compile_steps(run: measure.MeasuredRun) -> set[int]:
+  """Steps a compile fell into (``measure.compile_excess``): left out of the fit."""
+  return measure.compile_excess(run)[0]
+
+
+def fit_costs(runs: list[measure.MeasuredRun]) -> Costs:
+  modes = {r.mode for r in runs}
+  if len(modes) != 1:
+    raise ValueError(f"fit_costs: runs of one deployment at a time, got {sorted(modes)}")
+  skip = {(id(r), k) for r in runs for k in compile_steps(r)}
+  rows = [m for r in runs for m in r.rows if (id(r), m["step"]) not in skip]
+  gen, train = fit_gen(rows), fit_train(rows)
+  if modes == {"colocated"}:
+    other = [w - m["generate_s"] - m["train_s"] for r in runs for w, m in zip(r.step_seconds(), r.rows)
+             if (id(r), m["step"]) not in skip]
+    return Costs(gen, train, other_s=max(0.0, statistics.fmean(other)))
+  phases = [r.phase_seconds() for r in runs]
+  mean = lambda group, names: statistics.fmean(sum(p.get(group, {}).get(n, 0.0) for n in names) for p in phases)
+  roll = {n for p in phases for n in p.get("rollout", {})} - {"generate"}
+  trn = {n for p in phases for n in p.get("train", {})} - {"train", "push"}
+  return Costs(gen, train, other_s=mean("train", trn), rollout_other_s=mean("rollout", roll),
+               push_s=mean("train", ["push"]))
+
+
+def workload_from_run(run: measure.MeasuredRun) -> Workload:
+  cfg = run.config
+  r, seed = cfg["rollout"], cfg["run"]["seed"]
+  batch = r["num_prompts"] * r["group_size"]
+  response = statistics.fmean(m["response_len_mean"] for m in run.rows)
+  prompt = max(1, round(statistics.fmean(m["train_tokens"] for m in run.rows) / batch - response))
+  if r.get("forced_length_median"):
+    return Workload(r["num_prompts"], r["group_size"], prompt, r["max_new_tokens"],
+                    r["forced_length_median"], r["forced_length_sigma"], seed=seed, forced=True)
+  mean_max = statistics.fmean(m["response_len_max"] for m in run.rows)
+  median, sigma = fit_lognormal(response, mean_max, batch, r["max_new_tokens"])
+  return Workload(r["num_prompts"], r["group_size"], prompt, r["max_new_tokens"], median, sigma, seed=seed)
+
+
+def schedule_from_run(run: measure.MeasuredRun) -> Schedule:
+  cfg = run.config
+  s, r = cfg["stalesync"], cfg["rollout"]
+  staleness = s["max_staleness"] if s["enabled"] else 0
+  return Schedule(mode=run.mode, max_staleness=staleness,
+                  rollout_fraction=s["rollout_fraction"] if s["enabled"] else 1.0,
+                  num_slots=r["num_slots"], chunk_steps=r["chunk_steps"],
+                  batch_shards=len(run.timeline.groups[run.rollout_group]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+  name: str
+  measured_step_s: float
+  simulated_step_s: float
+  measured_tokens_per_s: float
+  simulated_tokens_per_s: float
+  measured_idle: dict
+  simulated_idle: dict
+  measured_decode_steps: float
+  simulated_decode_steps: float
+
+  @property
+  def step_error(self) -> float:
+    return self.simulated_step_s / self.measured_step_s - 1
+
+  @property
+  def tokens_error(self) -> float:
+    return self.simulated_tokens_per_s / self.measured_tokens_per_s - 1
+
+
+def validate(name: str, run: measure.MeasuredRun, costs: Costs) -> Check:
+  """Simulates ``run``'s configuration (its workload, schedule and step count) with ``costs``."""
+  w, sch = workload_from_run(run), schedule_from_run(run)
+  sim = simulate(w, sch, costs, run.warm + run.steps)
+  lo, hi = sim.window(run.warm)
+  ends = [sim.steps[k - 1].train_end for k in range(run.warm, run.warm + run.steps + 1)]
+  got = measure.summarize(run)
+  sim_idle = sim.idle_frac(run.warm)
+  return Check(name, got["step_s"], statistics.median(b - a for a, b in zip(ends, ends[1:])),
+               got["trained_tokens_per_s_steady"], sim.tokens_per_s(run.warm), got["idle_frac"],
+               sim_idle, got["decode_steps"],
+               statistics.median(r.counts.decode_steps for r in sim.steps[run.warm:]))
+
+
+def validate_manifest(path: str) -> dict:
+  """Validates the simulator on the runs an ``experiments/ablation_main.py`` manifest (ablation.json) lists.
+
+  Per workload and deployment, costs are fitted on all of its runs ("pooled") and on the runs of its other
+  schedules only ("cross-schedule"); every run is then simulated with both. Returns the checks, the
+  pooled costs and the largest pooled error (step time or tokens/s)."""
+  with open(path) as f:
+    ablation = json.load(f)
+  warm, steps = ablation["warm_steps"], ablation["steps"]
+  out = {"checks": [], "costs": {}}
+  here = os.path.dirname(os.path.abspath(path))   # relative run folders are relative to the JSON
+  for workload, by_variant in ablation["workdirs"].items():
+    runs = {v: [measure.load(os.path.join(here, d), warm, steps) for d in dirs] for v, dirs in by_variant.items()}
+    for mode in ("colocated", "separated"):
+      names = [v for v in runs if runs[v][0].mode == mode]
+      if not names:
+        continue
+      pooled = fit_costs([r for v in names for r in runs[v]])
+      out["costs"][f"{workload}/{mode}"] = dataclasses.asdict(pooled)
+      for v in names:
+        others = [r for u in names if u != v for r in runs[u]]
+        cross = fit_costs(others) if others else None
+        for i, run in enumerate(runs[v]):
+          c = validate(f"{workload}/{v}", run, pooled)
+          x = validate(f"{workload}/{v}", run, cross) if cross else None
+          out["checks"].append({
+              "workload": workload, "variant": v, "repeat": i, "mode": mode,
+              "measured_step_s": c.measured_step_s, "simulated_step_s": c.simulated_step_s,
+              "step_error": c.step_error, "measured_tokens_per_s": c.measured_tokens_per_s,
+              "simulated_tokens_per_s": c.simulated_tokens_per_s, "tokens_error": c.tokens_error,
+              "measured_decode_steps": c.measured_decode_steps, "simulated_decode_steps": c.simulated_decode_steps,
+              "measured_idle": c.measured_idle, "simulated_idle": c.simulated_idle,
+              "cross_step_error": x.step_error if x else None,
+              "cross_tokens_error": x.tokens_error if x else None})
+  errors = [abs(c[k]) for c in out["checks"] for k in ("step_error", "tokens_error")]
+  out["max_abs_error"] = max(errors) if errors else None
+  return out

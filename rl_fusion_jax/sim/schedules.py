@@ -1,0 +1,187 @@
+"""The schedules, as discrete-event simulations over one or two device lanes.
+
+* ``colocated`` (RL Fusion; ``orchestration/loop.py``): one lane runs every phase of a step in turn.
+  With ``max_staleness`` s = 0 every step generates its batch whole (the synchronous loop); with s > 0
+  the StaleSync schedule of ``orchestration/stalesync.py`` step for step: top up to
+  ``ceil(num_prompts / f)`` outstanding groups, drop waiting groups beyond the bound, a rollout phase
+  that ends once ``num_prompts`` groups are finished and every in-flight group at risk of exceeding s
+  has finished (skipped when the queue already fills the update and nothing is at risk), admission of
+  the oldest ``num_prompts`` finished groups within the bound.
+* ``separated`` (``orchestration/separated.py``, one process per side, reproducible weights): the
+  rollout lane generates batch k whole under weights version max(0, k - s) and waits until that version
+  has arrived; the training lane trains batch k at version k once it has been shipped, then pushes the
+  new weights (a background transfer of ``push_s``). s = 0 is the synchronous separated baseline.
+
+``simulate`` returns per-step records and the same window figures ``experiments/ablation_main.py``
+measures: trained tokens/s between the end of the last unmeasured update and the end of the last
+measured one, and each lane's idle share of that window.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from rl_fusion_jax.sim.costs import Costs
+from rl_fusion_jax.sim.engine import PhaseCounts, SimEngine
+from rl_fusion_jax.sim.workload import Workload
+
+MODES = ("colocated", "separated")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  mode: str = "colocated"
+  max_staleness: int = 0
+  rollout_fraction: float = 1.0
+  num_slots: int = 0          # 0: one per sample of a batch
+  chunk_steps: int = 16
+  prefill_rows: int = 0
+  batch_shards: int = 1       # generation replicas' batch shards (prefill rows round up to them)
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      raise ValueError(f"Schedule.mode: {self.mode!r} not in {MODES}")
+    if self.max_staleness < 0 or not 0 < self.rollout_fraction <= 1:
+      raise ValueError(f"Schedule: max_staleness >= 0 and 0 < rollout_fraction <= 1, got "
+                       f"{self.max_staleness}, {self.rollout_fraction}")
+    if self.max_staleness == 0 and self.rollout_fraction != 1:
+      raise ValueError("Schedule.rollout_fraction: must be 1 when max_staleness = 0 (synchronous)")
+    if self.mode == "separated" and self.rollout_fraction != 1:
+      raise ValueError("Schedule.rollout_fraction: the separated schedule generates whole batches (1)")
+
+
+@dataclasses.dataclass
+class StepRecord:
+  step: int                   # 1-based, as metrics.jsonl
+  generate_s: float
+  train_s: float
+  step_s: float               # the lane's time for the step (colocated); trainer's (separated)
+  train_tokens: int
+  train_end: float            # simulated clock at the end of the update
+  counts: PhaseCounts
+  staleness_mean: float = 0.0
+  forced_groups: int = 0
+
+
+@dataclasses.dataclass
+class SimResult:
+  steps: list[StepRecord]
+  busy: dict[str, list[tuple[float, float]]]   # lane -> busy intervals
+
+  def window(self, warm: int) -> tuple[float, float]:
+    return self.steps[warm - 1].train_end if warm else 0.0, self.steps[-1].train_end
+
+  def tokens_per_s(self, warm: int) -> float:
+    lo, hi = self.window(warm)
+    return sum(r.train_tokens for r in self.steps[warm:]) / (hi - lo)
+
+  def idle_frac(self, warm: int) -> dict[str, float]:
+    lo, hi = self.window(warm)
+    out = {}
+    for lane, spans in self.busy.items():
+      busy = sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in spans)
+      out[lane] = 1.0 - busy / (hi - lo)
+    return out
+
+
+def _engine(w: Workload, sch: Schedule) -> SimEngine:
+  return SimEngine(sch.num_slots or w.batch_size, w.group_size, sch.chunk_steps, sch.prefill_rows,
+                   sch.batch_shards)
+
+
+def _tokens(samples) -> int:
+  return sum(s.prompt_len + s.length for s in samples)
+
+
+def _staleness(samples, learner: int) -> float:
+  """Mean over trained tokens of learner - token version (tokens of a sample carry the versions of the
+  phases that generated them; the simulator tracks only the oldest, so this is an upper bound)."""
+  n = sum(s.length for s in samples)
+  return sum((learner - s.min_version) * s.length for s in samples) / max(1, n)
+
+
+def _colocated(w: Workload, sch: Schedule, costs: Costs, steps: int) -> SimResult:
+  engine, s = _engine(w, sch), sch.max_staleness
+  pool = math.ceil(w.num_prompts / sch.rollout_fraction - 1e-9)
+  waiting: dict[int, list] = {}          # finished groups in the queue: group -> samples
+  position, clock, records, busy = 0, 0.0, [], []
+  for learner in range(steps):
+    outstanding = len(engine.group_min_versions()) + len(waiting)
+    new = max(0, pool - outstanding) if s else w.num_prompts
+    engine.add(w.requests(position, new))
+    position += new
+    gver = lambda g: min(x.min_version for x in waiting[g])
+    for g in [g for g in waiting if learner - gver(g) > s]:
+      del waiting[g]                     # beyond the bound: discarded (counted by the real loop)
+    needed = w.num_prompts - len(waiting)
+    at_risk = sorted(g for g, v in engine.group_min_versions().items() if v is not None and v <= learner - s)
+    counts, generate_s = PhaseCounts(), 0.0
+    if s == 0:
+      taken, counts = engine.run(learner)
+    elif needed > 0 or at_risk:
+      taken, counts = engine.run(learner, target_groups=max(needed, 1), finish_groups=at_risk)
+    else:
+      taken = []
+    if s == 0 or needed > 0 or at_risk:
+      generate_s = costs.gen.seconds(counts)
+    for x in taken:
+      waiting.setdefault(x.group_id, []).append(x)
+    eligible = sorted((g for g in waiting if learner - gver(g) <= s), key=lambda g: (gver(g), g))
+    batch = [x for g in eligible[:w.num_prompts] for x in waiting.pop(g)]
+    tokens = _tokens(batch)
+    train_s = costs.train.seconds(tokens)
+    start = clock
+    clock += generate_s + train_s + costs.other_s
+    busy.append((start, clock))
+    records.append(StepRecord(learner + 1, generate_s, train_s, clock - start, tokens, clock, counts,
+                              _staleness(batch, learner), len(at_risk)))
+  return SimResult(records, {"all": busy})
+
+
+def _separated(w: Workload, sch: Schedule, costs: Costs, steps: int) -> SimResult:
+  s = sch.max_staleness
+  weights_at = {0: 0.0}                  # version -> when the rollout side has it
+  rollout_free, train_free, push_free = 0.0, 0.0, 0.0
+  ready, gen_rec, busy = {}, {}, {"rollout": [], "train": []}
+  records = []
+  for k in range(steps):
+    # The rollout lane runs ahead as far as the weights allow; batch k needs version max(0, k - s),
+    # which exists once update k - s - 1 is done and pushed: simulate the trainer up to there first.
+    engine = _engine(w, sch)
+    engine.add(w.requests(k * w.num_prompts, w.num_prompts))
+    need = max(0, k - s)
+    while need not in weights_at:        # train the batches the needed version depends on
+      L = len(records)
+      start = max(train_free, ready[L])
+      tokens = _tokens(gen_rec[L][0])
+      train_s = costs.train.seconds(tokens)
+      end = start + train_s + costs.other_s
+      busy["train"].append((start, end))
+      push_free = max(push_free, end) + costs.push_s
+      weights_at[L + 1] = push_free
+      records.append(StepRecord(L + 1, gen_rec[L][1], train_s, end - max(train_free, start), tokens, end,
+                                gen_rec[L][2], float(L - max(0, L - s)), 0))
+      train_free = end
+    start = max(rollout_free, weights_at[need])
+    taken, counts = engine.run(need)
+    generate_s = costs.gen.seconds(counts)
+    rollout_free = start + generate_s + costs.rollout_other_s
+    busy["rollout"].append((start, rollout_free))
+    ready[k], gen_rec[k] = rollout_free, (taken, generate_s, counts)
+  while len(records) < steps:
+    L = len(records)
+    start = max(train_free, ready[L])
+    tokens = _tokens(gen_rec[L][0])
+    train_s = costs.train.seconds(tokens)
+    end = start + train_s + costs.other_s
+    busy["train"].append((start, end))
+    records.append(StepRecord(L + 1, gen_rec[L][1], train_s, end - start, tokens, end, gen_rec[L][2],
+                              float(L - max(0, L - s)), 0))
+    train_free = end
+  return SimResult(records, busy)
+
+
+def simulate(w: Workload, sch: Schedule, costs: Costs, steps: int) -> SimResult:
+  if steps < 1:
+    raise ValueError(f"simulate: steps must be >= 1, got {steps}")
+  return (_colocated if sch.mode == "colocated" else _separated)(w, sch, costs, steps)
