@@ -23,8 +23,11 @@ once by ``grpo_main.py --export_hf``, responses of 1-6 tokens chosen by the poli
 Each run is a fresh process; with --repeats R the runs are interleaved (every variant once, then again,
 the order rotated), figures are medians over the repeats. From each run's metrics.jsonl and timeline
 (``rl_fusion_jax/sim/measure.py``): trained tok/s over the window from the end of the last unmeasured
-update to the end of the last measured one, the median time between update ends, generate / train
-medians, seconds per step of every phase per device group, and each group's idle share of the window.
+update to the end of the last measured one, the step time (that window / the measured steps), generate /
+train medians, seconds per step of every phase per device group, and each group's idle share of the window.
+"compile steps" counts measured steps whose update or rollout phase took over 3x the run's median (a
+compile of a new row bucket fell into the window; the simulator is validated on the window without
+their excess).
 Writes WORKDIR/ablation.json (the rows and every run's workdir, which experiments/simulate_main.py
 fits and validates against), WORKDIR/table1.md, WORKDIR/table1.png (bar chart) and
 WORKDIR/timeline_<workload>_<variant>.png (the measured steps of the last repeat).

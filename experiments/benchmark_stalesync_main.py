@@ -22,7 +22,7 @@ metrics.jsonl and timeline.jsonl over the measured steps:
   * trained tok/s: real (prompt + response) tokens trained (``train_tokens``) / the window from the end
     of the last unmeasured update to the end of the last measured one (timeline 'train' phases), so a
     rollout side that runs ahead of the trainer (one process per side) is measured like the others;
-  * step: the median time between update ends; generate, train: medians of ``generate_s``, ``train_s``;
+  * step: the window / the measured steps; generate, train: medians of ``generate_s``, ``train_s``;
   * decode steps: median per step (the engine's steps do not depend on the machine's load);
   * slot utilization: generated tokens / (decode steps x slots), summed over the steps;
   * awaited groups: median ``stalesync/forced_groups``, in-flight groups a rollout phase had to finish
@@ -126,7 +126,8 @@ def measure(name: str, workdir: str) -> dict:
   out = measure_lib.summarize(run)
   # A train phase 3x the median is most likely a compile (a new packed-row bucket) inside the window.
   out["train_outliers"] = out.pop("compile_steps")
-  for key in ("phase_s", "compile_excess_s", "trained_tokens_per_s_steady", "trained_tokens", "steps"):
+  for key in ("phase_s", "compile_excess_s", "trained_tokens_per_s_steady", "trained_tokens", "steps",
+              "step_s_steady"):
     out.pop(key)
   return out
 

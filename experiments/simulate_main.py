@@ -2,6 +2,10 @@ r"""The schedule simulator (rl_fusion_jax/sim): validated against measured runs,
 
   python experiments/simulate_main.py --ablation=/tmp/ablation/ablation.json --out=/tmp/sim
   python experiments/simulate_main.py --cluster --out=/tmp/sim [--quick]
+  python experiments/simulate_main.py --fit_run=RUN_DIR --warm_steps=4 --out=/tmp/sim
+
+--fit_run: the cost parameters fitted to one measured run's metrics.jsonl and timeline.jsonl (the
+workload and schedule read from its config.json), and that run re-simulated with them (OUT/fit_run.json).
 
 --ablation (the JSON experiments/ablation_main.py writes): per workload and deployment (colocated;
 separated with one process per side) the cost parameters are fitted to all its measured runs
@@ -29,6 +33,9 @@ import time
 from absl import app, flags
 
 _ABLATION = flags.DEFINE_string("ablation", "", "ablation.json of experiments/ablation_main.py.")
+_FIT_RUN = flags.DEFINE_string("fit_run", "", "One measured run's workdir: print the costs fitted to it and "
+                                "its re-simulation (with --warm_steps unmeasured steps).")
+_WARM = flags.DEFINE_integer("warm_steps", 4, "--fit_run: its first N steps are not measured (compiles).")
 _CLUSTER = flags.DEFINE_bool("cluster", False, "Simulate Tables 1 and 2 at cluster scale and the sweep.")
 _OUT = flags.DEFINE_string("out", None, "Output folder.")
 _QUICK = flags.DEFINE_bool("quick", False, "Cluster: a smaller workload and fewer steps.")
@@ -168,12 +175,23 @@ def cluster_markdown(t1: dict, t2: dict, r: dict, sw: list[dict], quick: bool) -
 
 def main(argv):
   del argv
-  if not (_ABLATION.value or _CLUSTER.value):
-    raise app.UsageError("pass --ablation=PATH (validation), --cluster, or both")
+  if not (_ABLATION.value or _CLUSTER.value or _FIT_RUN.value):
+    raise app.UsageError("pass --fit_run=DIR, --ablation=PATH (validation), --cluster, or several")
   if _ABLATION.value and not os.path.isfile(_ABLATION.value):
     raise app.UsageError(f"--ablation: {_ABLATION.value} does not exist")
   os.makedirs(_OUT.value, exist_ok=True)
   failed = False
+  if _FIT_RUN.value:
+    from rl_fusion_jax.sim import fit, measure  # pylint: disable=g-import-not-at-top
+    run = measure.load(_FIT_RUN.value, _WARM.value)
+    costs = fit.fit_costs([run])
+    check = fit.validate(_FIT_RUN.value, run, costs)
+    out = {"costs": dataclasses.asdict(costs), "workload": dataclasses.asdict(fit.workload_from_run(run)),
+           "schedule": dataclasses.asdict(fit.schedule_from_run(run)), "check": dataclasses.asdict(check)
+           | {"step_error": check.step_error, "tokens_error": check.tokens_error}}
+    print(json.dumps(out, indent=1))
+    with open(os.path.join(_OUT.value, "fit_run.json"), "w") as f:
+      json.dump(out, f, indent=1)
   if _ABLATION.value:
     t0 = time.perf_counter()
     from rl_fusion_jax.sim import fit  # pylint: disable=g-import-not-at-top

@@ -82,7 +82,8 @@ class Cluster:
   hw: Hardware = Hardware()
   model: Model = Model()
   eff: Efficiency = Efficiency()
-  slots_per_replica: int = 256     # concurrent sequences per replica (KV memory bounds it; see check)
+  slots_per_replica: int = 256     # concurrent sequences per replica (KV memory bounds it)
+  chunk_steps: int = 64            # decode steps per host round trip (rollout.chunk_steps)
 
   @property
   def devices(self) -> int:
@@ -102,6 +103,7 @@ ASSUMPTIONS = (
     ("achieved HBM / fabric efficiency", "0.70 / 0.70", "round figures"),
     ("decode step overhead", "2 ms", "launch + sampling + barrier, round figure"),
     ("per rollout phase / per chunk / per step host", "0.5 s / 1 ms / 2 s", "round figures"),
+    ("decode chunk", "64 steps", "rollout.chunk_steps for responses of thousands of tokens"),
     ("generation replica", "tp = 8, 256 slots", "a 32B model in bf16 on 8 devices: 8.2 GB of weights and, "
      "at the workload's mean context (~2.7k tokens), ~23 GB of KV per device"),
     ("workload", "512 prompts x 16 samples per supernode, prompts 512 tokens, responses log-normal "
@@ -166,4 +168,4 @@ def schedule(c: Cluster, mode: str, s: int, f: float) -> Schedule:
   devices = c.devices if mode == "colocated" else c.devices // 2
   replicas = devices // c.tp
   return Schedule(mode=mode, max_staleness=s, rollout_fraction=f, num_slots=replicas * c.slots_per_replica,
-                  chunk_steps=16, batch_shards=replicas)
+                  chunk_steps=c.chunk_steps, batch_shards=replicas)

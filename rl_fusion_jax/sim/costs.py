@@ -53,8 +53,8 @@ class TrainCost:
 class Costs:
   """One deployment's costs.
 
-  Colocated: one lane runs everything; ``gen``, ``train`` and ``other_s`` (switches, reward, publish,
-  host work) per step. Separated: ``gen`` on the rollout lane plus ``rollout_other_s`` (loading weights,
+  Colocated: one lane runs everything; ``gen``, ``train``, ``other_s`` (switches, reward, publish) and
+  ``gap_s`` (host work between phases, idle on the lane) per step. Separated: ``gen`` on the rollout lane plus ``rollout_other_s`` (loading weights,
   scoring, shipping the batch), ``train`` on the training lane plus ``other_s`` (receiving the batch,
   publishing), and ``push_s``: the weights' trip to the rollout side after each update (off the
   trainer's critical path, on a background thread)."""
@@ -63,3 +63,4 @@ class Costs:
   other_s: float = 0.0
   rollout_other_s: float = 0.0
   push_s: float = 0.0
+  gap_s: float = 0.0     # colocated: host time per step outside every phase (the lane shows it idle)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import math
 
 import numpy as np
@@ -76,11 +77,16 @@ class SimEngine:
     self.fin_count: collections.Counter = collections.Counter()
     self.fin_last: dict[int, tuple[int, int]] = {}
     self.fly_count: collections.Counter = collections.Counter()
+    self.queued_count: collections.Counter = collections.Counter()
+    self.complete: set[int] = set()     # groups whose samples have all finished (unreturned)
+    self.left: set[int] = set()         # groups in flight with nothing queued: can complete in a chunk
 
   # -- host state ------------------------------------------------------------------------------------
 
   def add(self, requests) -> None:
-    self.queue.extend(requests)
+    for r in requests:
+      self.queue.append(r)
+      self.queued_count[r.group_id] += 1
 
   @property
   def num_in_flight(self) -> int:
@@ -129,23 +135,22 @@ class SimEngine:
       self.finished[sid] = (order, Taken(sid, g, int(self.slot_prompt[s]), int(self.slot_len[s]),
                                          int(self.slot_ver[s])))
       self.fin_count[g] += 1
+      if self.fin_count[g] == self.group_size:
+        self.complete.add(g)
       self.fin_last[g] = max(self.fin_last.get(g, order), order)
       self.fly_count[g] -= 1
       if not self.fly_count[g]:
         del self.fly_count[g]
+        self.left.discard(g)
       self.slot_id[s] = -1
 
   def _complete_groups(self) -> list[int]:
-    done = [g for g, n in self.fin_count.items() if n == self.group_size]
-    return sorted(done, key=lambda g: (self.fin_last[g], g))
+    return sorted(self.complete, key=lambda g: (self.fin_last[g], g))
 
   def _target_met(self, n: int | None, finish) -> bool:
     if n is None:
       return False
-    complete = sum(1 for k in self.fin_count.values() if k == self.group_size)
-    if complete < n:
-      return False
-    return finish is None or all(self.fin_count.get(g, 0) == self.group_size for g in finish)
+    return len(self.complete) >= n and (finish is None or finish <= self.complete)
 
   def _take(self, n: int | None, finish) -> list[Taken]:
     if n is None:
@@ -158,6 +163,7 @@ class SimEngine:
       del self.finished[t.sample_id]
     for g in groups:
       del self.fin_count[g], self.fin_last[g]
+      self.complete.discard(g)
     return [t for _, t in taken]
 
   def _reprefill(self, counts: PhaseCounts) -> None:
@@ -177,6 +183,10 @@ class SimEngine:
           r.sample_id, r.group_id, r.prompt_len, r.length)
       self.slot_gen[s], self.slot_ver[s] = 0, -1
       self.fly_count[r.group_id] += 1
+      self.queued_count[r.group_id] -= 1
+      if not self.queued_count[r.group_id]:
+        del self.queued_count[r.group_id]
+        self.left.add(r.group_id)
     counts.prefill_calls += math.ceil(k / self.rows)
     counts.prefill_tokens += int(self.slot_prompt[free[:k]].sum())
     counts.prefill_rows += k
@@ -184,15 +194,16 @@ class SimEngine:
   def _groups_bound(self, n: int, finish) -> int | None:
     """``Engine._groups_bound``: the fewest in-flight samples that must finish before the target can be
     met (None: not within this chunk)."""
-    size = self.group_size
-    complete = {g for g, k in self.fin_count.items() if k == size}
-    left = {g: k for g, k in self.fly_count.items() if self.fin_count.get(g, 0) + k == size}
-    awaited = finish - complete
-    if not awaited <= left.keys():
+    # ``left``: in flight with nothing queued (groups are returned whole, so every other sample of it
+    # has finished): the groups that can complete within this chunk.
+    awaited = finish - self.complete
+    if not awaited <= self.left:
       return None
-    others = sorted(k for g, k in left.items() if g not in awaited)
-    short = max(0, n - len(complete) - len(awaited))
-    return None if short > len(others) else sum(left[g] for g in awaited) + sum(others[:short])
+    short = max(0, n - len(self.complete) - len(awaited))
+    if short > len(self.left) - len(awaited):
+      return None
+    others = heapq.nsmallest(short, (self.fly_count[g] for g in self.left if g not in awaited)) if short else []
+    return sum(self.fly_count[g] for g in awaited) + sum(others)
 
   def _decode(self, version: int, n: int | None, finish, counts: PhaseCounts) -> None:
     min_done = self.num_slots + 1

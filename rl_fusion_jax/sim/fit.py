@@ -7,13 +7,14 @@ one workload and fits, over all their measured steps:
     squares; a count that does not vary across the steps is folded into the constant;
   * the update: ``train_s`` against ``train_tokens`` (fixed + per token; the mean rate alone when the
     token counts hardly vary);
-  * colocated: ``other_s``, the mean of (time between update ends - generate_s - train_s) per step;
+  * colocated: the mean of (time between update ends - generate_s - train_s) per step, split into
+    ``gap_s`` (the time outside every timeline phase, from runs without compile steps) and ``other_s``;
   * separated: the rollout lane's other phases per batch (weights, switch, score, ship), the training
     lane's (receive, reward, publish) and the weights' push (timeline phase means).
 ``workload_from_run`` rebuilds the workload (forced lengths exactly; otherwise a log-normal fitted to
 the measured mean and batch maximum of the response lengths) and ``schedule_from_run`` the schedule.
-``validate`` simulates a run's configuration with fitted costs and compares step time (the median time
-between update ends) and trained tokens/s with what the run measured; the measured tokens/s is the
+``validate`` simulates a run's configuration with fitted costs and compares step time (the mean time
+between update ends in the window) and trained tokens/s with what the run measured; the measured tokens/s is the
 "steady" one (``measure.summarize``: the window without the excess of steps a compile fell into, which
 the simulator does not model). Nothing here imports JAX.
 """
@@ -89,7 +90,12 @@ def fit_costs(runs: list[measure.MeasuredRun]) -> Costs:
   if modes == {"colocated"}:
     other = [w - m["generate_s"] - m["train_s"] for r in runs for w, m in zip(r.step_seconds(), r.rows)
              if (id(r), m["step"]) not in skip]
-    return Costs(gen, train, other_s=max(0.0, statistics.fmean(other)))
+    other_s = max(0.0, statistics.fmean(other))
+    # The share of it outside every timeline phase (host work between phases): idle on the lane.
+    gaps = [statistics.fmean(r.step_seconds()) - sum(sum(p.values()) for p in r.phase_seconds().values())
+            for r in runs if not compile_steps(r)]
+    gap_s = min(other_s, max(0.0, statistics.fmean(gaps))) if gaps else 0.0
+    return Costs(gen, train, other_s=other_s - gap_s, gap_s=gap_s)
   phases = [r.phase_seconds() for r in runs]
   mean = lambda group, names: statistics.fmean(sum(p.get(group, {}).get(n, 0.0) for n in names) for p in phases)
   roll = {n for p in phases for n in p.get("rollout", {})} - {"generate"}
@@ -148,10 +154,9 @@ def validate(name: str, run: measure.MeasuredRun, costs: Costs) -> Check:
   w, sch = workload_from_run(run), schedule_from_run(run)
   sim = simulate(w, sch, costs, run.warm + run.steps)
   lo, hi = sim.window(run.warm)
-  ends = [sim.steps[k - 1].train_end for k in range(run.warm, run.warm + run.steps + 1)]
   got = measure.summarize(run)
   sim_idle = sim.idle_frac(run.warm)
-  return Check(name, got["step_s"], statistics.median(b - a for a, b in zip(ends, ends[1:])),
+  return Check(name, got["step_s_steady"], (hi - lo) / run.steps,
                got["trained_tokens_per_s_steady"], sim.tokens_per_s(run.warm), got["idle_frac"],
                sim_idle, got["decode_steps"],
                statistics.median(r.counts.decode_steps for r in sim.steps[run.warm:]))

@@ -6,7 +6,7 @@ phases), so a rollout side that runs ahead of the trainer is measured like a col
   * trained tok/s: real (prompt + response) tokens trained in the measured steps / the window; and
     "steady", the same with the excess of compile steps (an update or rollout phase over 3x the run's
     median) taken out of the window;
-  * step time: the median time between consecutive update ends in the window;
+  * step time: the window / the measured steps (the mean time between update ends), and "steady";
   * generate / train: medians of ``generate_s`` / ``train_s``;
   * idle per device group: the share of the window in which the group ran no phase;
   * phase seconds: per device group and phase name, the mean per measured step.
@@ -130,7 +130,7 @@ def summarize(run: MeasuredRun) -> dict:
       # compile model can be held to); equal to the above when no compile fell into the window.
       "compile_steps": len(compiles), "compile_excess_s": excess,
       "trained_tokens_per_s_steady": total("train_tokens") / (wall - excess),
-      "step_s": statistics.median(run.step_seconds()),
+      "step_s": wall / run.steps, "step_s_steady": (wall - excess) / run.steps,
       "generate_s": median("generate_s"), "train_s": median("train_s"),
       "decode_steps": median("engine/decode_steps"),
       "slot_utilization": total("engine/generated_tokens") / max(1.0, total("engine/decode_steps") * slots),

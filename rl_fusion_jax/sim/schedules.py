@@ -131,8 +131,8 @@ def _colocated(w: Workload, sch: Schedule, costs: Costs, steps: int) -> SimResul
     tokens = _tokens(batch)
     train_s = costs.train.seconds(tokens)
     start = clock
-    clock += generate_s + train_s + costs.other_s
-    busy.append((start, clock))
+    busy.append((start, start + generate_s + train_s + costs.other_s))
+    clock += generate_s + train_s + costs.other_s + costs.gap_s
     records.append(StepRecord(learner + 1, generate_s, train_s, clock - start, tokens, clock, counts,
                               _staleness(batch, learner), len(at_risk)))
   return SimResult(records, {"all": busy})
