@@ -26,8 +26,8 @@ the order rotated), figures are medians over the repeats. From each run's metric
 update to the end of the last measured one, the step time (that window / the measured steps), generate /
 train medians, seconds per step of every phase per device group, and each group's idle share of the window.
 "compile steps" counts measured steps whose update or rollout phase took over 3x the run's median (a
-compile of a new row bucket fell into the window; the simulator is validated on the window without
-their excess).
+compile of a new row bucket fell into the window); "steady tok/s" takes their excess out of the window
+(the simulator is validated on that).
 Writes WORKDIR/ablation.json (the rows and every run's workdir, which experiments/simulate_main.py
 fits and validates against), WORKDIR/table1.md, WORKDIR/table1.png (bar chart) and
 WORKDIR/timeline_<workload>_<variant>.png (the measured steps of the last repeat).
@@ -46,7 +46,8 @@ import common
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (runs, table, figures).")
-_QUICK = flags.DEFINE_bool("quick", False, "Long-tail workload only, 1 repeat, 2 + 3 steps.")
+_QUICK = flags.DEFINE_bool("quick", False, "Long-tail workload only, 1 repeat, 2 + 3 steps, the model at half "
+                           "depth and width (common.QUICK_MODEL).")
 _WORKLOADS = flags.DEFINE_list("workloads", ["longtail", "arithmetic"], "Workloads (see the docstring).")
 _VARIANTS = flags.DEFINE_list("variants", [], "Variants (default: all four).")
 _STEPS = flags.DEFINE_integer("steps", 8, "Measured steps per run.")
@@ -90,7 +91,7 @@ def run_variant(workload: str, variant: str, workdir: str, warmup_hf: str, warm:
   binary, extra = VARIANTS[variant]
   args = (workload_flags(workload, warmup_hf) + [f"--workdir={workdir}", f"--compilation_cache={_CACHE.value}",
                                                  f"--config.run.steps={warm + steps}"]
-          + list(COMMON) + list(extra))
+          + list(COMMON) + list(extra) + list(common.QUICK_MODEL if _QUICK.value else ()))
   return common.run_binary(binary, args, workdir + ".log")
 
 
@@ -119,9 +120,9 @@ def _phases(row: dict) -> str:
 
 
 def table(rows: dict) -> str:
-  lines = ["| workload | variant | trained tok/s (per run) | x baseline | step | generate | train | "
+  lines = ["| workload | variant | trained tok/s (per run) | x baseline | steady tok/s | step | generate | train | "
            "phase seconds per step | idle per device group | decode steps | token staleness | compile steps |",
-           "|" + "---|" * 12]
+           "|" + "---|" * 13]
   for workload, by_variant in rows.items():
     base = by_variant.get(BASELINE)
     for name, r in by_variant.items():
@@ -129,6 +130,7 @@ def table(rows: dict) -> str:
       per_run = ", ".join(f"{t:,.0f}" for t in r["trained_tokens_per_s_runs"])
       idle = ", ".join(f"{g} {v:.0%}" for g, v in r["idle_frac"].items())
       lines.append(f"| {workload} | {name} | {r['trained_tokens_per_s']:,.0f} ({per_run}) | {ratio} | "
+                   f"{r['trained_tokens_per_s_steady']:,.0f} | "
                    f"{r['step_s']:.3f} s | {r['generate_s']:.3f} s | {r['train_s']:.3f} s | {_phases(r)} | "
                    f"{idle} | {r['decode_steps']:.0f} | {r['staleness_mean']:.2f} | {r['compile_steps']:.0f} |")
   return "\n".join(lines)
@@ -172,7 +174,7 @@ def main(argv):
   if "arithmetic" in workloads:
     warmup_hf = _WARMUP_HF.value or common.exported_warmup(root, 2500, _CACHE.value)
   runs = {w: {v: [] for v in variants} for w in workloads}
-  workdirs, seconds = {w: {} for w in workloads}, {}
+  workdirs = {w: {} for w in workloads}
   for rep in range(repeats):
     order = variants[rep % len(variants):] + variants[:rep % len(variants)]
     for w in workloads:
@@ -180,7 +182,7 @@ def main(argv):
         workdir = os.path.join(root, "runs", f"r{rep}_{w}_{v}")
         if not os.path.isfile(os.path.join(workdir, "summary.json")):
           print(f"repeat {rep + 1}/{repeats}: {w} {v} -> {workdir}", flush=True)
-          seconds[f"r{rep}_{w}_{v}"] = run_variant(w, v, workdir, warmup_hf, warm, steps)
+          run_variant(w, v, workdir, warmup_hf, warm, steps)
         runs[w][v].append(measure_run(workdir, warm, steps))
         workdirs[w].setdefault(v, []).append(workdir)
   rows = {w: {v: combine(runs[w][v]) for v in variants} for w in workloads}
@@ -196,7 +198,9 @@ def main(argv):
                         os.path.join(root, f"timeline_{w}_{v}.log"))
   with open(os.path.join(root, "ablation.json"), "w") as f:
     json.dump({"warm_steps": warm, "steps": steps, "repeats": repeats, "rows": rows, "workdirs": workdirs,
-               "baseline": BASELINE, "run_seconds": seconds, "seconds": time.perf_counter() - t0}, f, indent=1)
+               "baseline": BASELINE, "seconds": time.perf_counter() - t0,
+               "runs_seconds": sum(common.run_wall_seconds(d + ".log") for by in workdirs.values()
+                                   for ds in by.values() for d in ds)}, f, indent=1)
 
 
 if __name__ == "__main__":

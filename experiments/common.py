@@ -132,10 +132,16 @@ def run_binary(binary: str, args: list[str], log_path: str) -> float:
   return time.perf_counter() - t0
 
 
-def exported_warmup(root: str, steps: int, cache: str) -> str:
+# --quick runs of the report's parts: the main job's model at half depth and width (compiles faster).
+QUICK_MODEL = ("--config.model.num_layers=2", "--config.model.scan_unroll=2", "--config.model.hidden_size=64",
+               "--config.model.intermediate_size=192", "--config.model.num_heads=2", "--config.model.num_kv_heads=1")
+
+
+def exported_warmup(root: str, steps: int, cache: str, extra: tuple[str, ...] = ()) -> str:
   """The main job's warm-up (experiments/configs/arithmetic.py, ``steps`` supervised steps, warmup.seed 0)
   exported as a Hugging Face folder ROOT/warmup_hf (``grpo_main.py --export_hf``), made once and then
-  reused: RL runs start from it with ``--config.model.hf_path`` and ``--config.warmup.steps=0``."""
+  reused: RL runs start from it with ``--config.model.hf_path`` and ``--config.warmup.steps=0``.
+  ``extra``: more overrides (``QUICK_MODEL``; the RL runs must then pass the same model fields)."""
   out = os.path.join(root, "warmup_hf")
   if os.path.isfile(os.path.join(out, "model.safetensors")):
     return out
@@ -145,5 +151,28 @@ def exported_warmup(root: str, steps: int, cache: str) -> str:
   run_binary("grpo_main.py", [f"--config={config}", f"--workdir={os.path.join(root, 'warmup_run')}",
                               f"--compilation_cache={cache}", "--config.run.steps=0",
                               f"--config.warmup.steps={steps}", "--config.task.eval_samples=0",
-                              f"--export_hf={out}"], os.path.join(root, "warmup_run.log"))
+                              f"--export_hf={out}", *extra], os.path.join(root, "warmup_run.log"))
   return out
+
+
+def run_wall_seconds(log_path: str) -> float:
+  """Wall seconds of a finished run from its log (``run_binary``'s): the first to the last absl log line's
+  time stamp (``I1202 01:35:49.155530 ...``; a run crossing midnight adds a day). 0 when unreadable."""
+  import datetime  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  stamp = re.compile(r"^[IWEF](\d{4}) (\d{2}):(\d{2}):(\d{2})\.(\d{6}) ")
+  times = []
+  try:
+    with open(log_path, errors="replace") as f:
+      for line in f:
+        m = stamp.match(line)
+        if m:
+          mmdd, h, mi, sec, us = m.groups()
+          times.append((int(mmdd), datetime.timedelta(hours=int(h), minutes=int(mi), seconds=int(sec),
+                                                       microseconds=int(us)).total_seconds()))
+  except OSError:
+    return 0.0
+  if len(times) < 2:
+    return 0.0
+  (d0, t0), (d1, t1) = times[0], times[-1]
+  return t1 - t0 + (86400.0 if d1 != d0 else 0.0)

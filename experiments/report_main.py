@@ -11,9 +11,10 @@ Parts, each a binary of its own whose runs are reused when the workdir already h
      experiments/simulate_main.py --ablation=... --cluster --out=WORKDIR/sim.
 Writes --results (default WORKDIR/RESULTS.md) and copies the figures next to it (--figures, default
 results/ beside it; the full report also copies what the simulator reads of each measured run to
-FIGURES/runs/, which tests/sim_test.py validates the simulator against), with the commands and the seconds each part took in this invocation and when its
-runs were made. Exits with status 1 when the fitted simulation misses a measured step time or tokens/s
-by more than 15% (full report only: the quick runs measure 2 steps, too few to hold a simulator to).
+FIGURES/runs/, which tests/sim_test.py validates the simulator against), with the commands, the
+seconds each part took in this invocation and the wall seconds its runs took when they were made
+(``common.run_wall_seconds``: from each run's log). Exits with status 1 when the fitted simulation misses a measured step time or tokens/s
+by more than 15% (full report only: the quick runs measure 3 steps, too few to hold a simulator to).
 --quick: every part reduced (see each binary's --quick); the figures it prints are a check that the
 pipeline works, not results.
 """
@@ -90,6 +91,45 @@ def export_runs(ablation_json: str, dest: str) -> str:
   return os.path.join(dest, "ablation.json")
 
 
+def table1_findings(rows: dict, baseline: str) -> list[str]:
+  out = []
+  for workload, by_variant in rows.items():
+    base = by_variant[baseline]["trained_tokens_per_s"]
+    parts = [f"{v} x{r['trained_tokens_per_s'] / base:.2f}" for v, r in by_variant.items() if v != baseline]
+    out.append(f"* {workload}: against {baseline} ({base:,.0f} tok/s): " + ", ".join(parts) + ".")
+  return out
+
+
+def staleness_findings(results: dict) -> list[str]:
+  """Per algorithm and arm: the final accuracy against sync's, in points and against the seed spread."""
+  import statistics  # pylint: disable=g-import-not-at-top
+  out = []
+  for algo, by_arm in results.items():
+    final = {arm: [r["points"][-1]["accuracy"] for r in runs] for arm, runs in by_arm.items()}
+    sync = final["sync"]
+    spread = statistics.stdev(sync) if len(sync) > 1 else 0.0
+    parts = []
+    for arm, values in final.items():
+      if arm == "sync":
+        continue
+      delta = statistics.fmean(values) - statistics.fmean(sync)
+      beyond = spread and abs(delta) > 2 * spread
+      parts.append(f"{arm} {100 * delta:+.1f}{' (beyond 2 sync std)' if beyond else ''}")
+    out.append(f"* {algo}: sync {statistics.fmean(sync):.3f} (std {spread:.3f} over {len(sync)} seeds); "
+               "final accuracy minus sync's, in points: " + ", ".join(parts) + ".")
+  return out
+
+
+def _cpu() -> str:
+  model = ""
+  try:
+    with open("/proc/cpuinfo") as f:
+      model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+  except OSError:
+    pass
+  return f"{os.cpu_count()} CPU cores" + (f" ({model})" if model else "")
+
+
 def _read(path: str) -> str:
   with open(path) as f:
     return f.read().strip()
@@ -130,6 +170,8 @@ def main(argv):
   if not _QUICK.value:
     export_runs(os.path.join(ab, "ablation.json"), os.path.join(figures, "runs"))
   err = validation["max_abs_error"]
+  cross = max((abs(c[k]) for c in validation["checks"] for k in ("cross_step_error", "cross_tokens_error")
+               if c[k] is not None), default=0.0)
   within = err <= _TOLERANCE
   seconds["total"] = time.perf_counter() - t0
   s = stale["settings"]
@@ -145,14 +187,17 @@ def main(argv):
                + ([f"--results={_RESULTS.value}"] if _RESULTS.value else []) + quick),
       "```",
       "",
-      "| part | command | seconds in this invocation | seconds when its runs were made |",
+      f"Machine: {_cpu()}. Seconds are wall-clock on it as it was loaded while the runs were made: compare "
+      "rows within one table, not with other machines.",
+      "",
+      "| part | command | seconds in this invocation | seconds its runs took when made |",
       "|---|---|---|---|",
       f"| learning under staleness | `{commands['learning under staleness']}` | "
-      f"{seconds['learning under staleness']:.0f} | {stale.get('seconds', 0):.0f} |",
+      f"{seconds['learning under staleness']:.0f} | {stale.get('runs_seconds', 0):.0f} |",
       f"| measured Table 1 | `{commands['measured Table 1']}` | {seconds['measured Table 1']:.0f} | "
-      f"{ablation.get('seconds', 0):.0f} |",
+      f"{ablation.get('runs_seconds', 0):.0f} |",
       f"| simulator (validation, Tables 1 and 2, sweep) | `{commands['simulator']}` | {seconds['simulator']:.0f} | "
-      f"{validation.get('seconds', 0) + clus.get('seconds', 0):.0f} |",
+      "(recomputed every time) |",
       f"| total | | {seconds['total']:.0f} | |",
       "",
       "## Table 1, measured on this machine",
@@ -163,6 +208,8 @@ def main(argv):
       "workloads: `experiments/ablation_main.py`'s docstring.",
       "",
       _read(os.path.join(ab, "table1.md")),
+      "",
+      *table1_findings(ablation["rows"], ablation["baseline"]),
       "",
       f"![trained tokens/s per variant]({bars})",
       "",
@@ -176,7 +223,8 @@ def main(argv):
       "exactly, its schedule and step count) and compared; `cross-schedule` fits only on the other schedule "
       "of the same deployment (sync <-> StaleSync) and predicts this one, a stricter test the tolerance "
       f"does not apply to. Largest error of the fitted simulation: **{err:.1%}** (tolerance 15%: "
-      f"{'met' if within else 'NOT met'}).",
+      f"{'met' if within else 'NOT met'}); largest cross-schedule error: "
+      f"{cross:.1%}.",
       "",
       _read(os.path.join(sim, "validation.md")),
       "",
@@ -197,6 +245,8 @@ def main(argv):
       "final accuracy, mean +- standard deviation across seeds.",
       "",
       _read(os.path.join(st, "staleness.md")),
+      "",
+      *staleness_findings(stale["results"]),
       "",
       f"![accuracy vs samples]({curves[0]})",
       f"![accuracy vs wall-clock]({curves[1]})",

@@ -25,7 +25,8 @@ Writes WORKDIR/staleness.json (per run: the held-out greedy accuracy at every ev
 samples and the RL wall-clock seconds there, the measured staleness), WORKDIR/staleness.md (final
 accuracy per arm, mean +- standard deviation across seeds, min..max) and
 WORKDIR/staleness_{samples,wallclock}.png (mean over seeds with a min..max band). ``--quick``: GRPO only,
-sync and s = 1 both ways, one seed, a 100-step warm-up, 4 RL steps, 32 held-out problems (a check
+sync and s = 1 both ways, one seed, the model at half depth and width (``common.QUICK_MODEL``), a
+100-step warm-up, 4 RL steps, 32 held-out problems (a check
 that the pipeline works, not a result).
 """
 from __future__ import annotations
@@ -73,7 +74,7 @@ def arms(staleness: list[int]) -> dict[str, tuple[str, ...]]:
 
 def settings() -> dict:
   if _QUICK.value:
-    return dict(seeds=[0], algos=["grpo"], staleness=[1], steps=4, eval_every=2, eval_problems=32,
+    return dict(seeds=[0], algos=["grpo"], staleness=[1], steps=4, eval_every=4, eval_problems=32,
                 warmup_steps=100)
   return dict(seeds=[int(s) for s in _SEEDS.value], algos=list(_ALGOS.value),
               staleness=[int(s) for s in _STALENESS.value], steps=_STEPS.value, eval_every=_EVAL_EVERY.value,
@@ -89,7 +90,7 @@ def run_one(root: str, hf: str, algo: str, arm: str, overrides: tuple[str, ...],
           "--config.warmup.steps=0", f"--config.run.seed={seed}", f"--config.run.steps={s['steps']}",
           f"--config.run.eval_every={s['eval_every']}", f"--config.task.eval_problems={s['eval_problems']}",
           "--config.task.eval_samples=0", "--config.run.checkpoint_every=0"]
-  args += [f"--config.{o}" for o in overrides]
+  args += [f"--config.{o}" for o in overrides] + list(common.QUICK_MODEL if _QUICK.value else ())
   seconds = common.run_binary("grpo_main.py", [f"--compilation_cache={_CACHE.value}"] + args, workdir + ".log")
   print(f"  {algo} {arm} seed {seed}: {seconds:.0f} s", flush=True)
   return workdir
@@ -121,7 +122,7 @@ def read_run(workdir: str) -> dict:
 
 def table(results: dict) -> str:
   lines = ["| algorithm | arm | seeds | final accuracy (mean +- std) | min..max | start | token staleness "
-           "(mean) | RL seconds (mean) |", "|" + "---|" * 8]
+           "(mean) | behaviour IS weight std (mean) | RL seconds (mean) |", "|" + "---|" * 9]
   for algo, by_arm in results.items():
     for arm, runs in by_arm.items():
       final = [r["points"][-1]["accuracy"] for r in runs]
@@ -130,6 +131,7 @@ def table(results: dict) -> str:
       lines.append(f"| {algo} | {arm} | {len(runs)} | {statistics.fmean(final):.3f} +- {std:.3f} | "
                    f"{min(final):.3f}..{max(final):.3f} | {start:.3f} | "
                    f"{statistics.fmean(r['token_staleness_mean'] for r in runs):.2f} | "
+                   f"{statistics.fmean(r['is_weight_std'] for r in runs):.4f} | "
                    f"{statistics.fmean(r['rl_seconds'] for r in runs):.0f} |")
   return "\n".join(lines)
 
@@ -141,15 +143,18 @@ def plot(results: dict, x_key: str, xlabel: str, out: str) -> None:
   import numpy as np  # pylint: disable=g-import-not-at-top
   fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.2), squeeze=False)
   for ax, (algo, by_arm) in zip(axes[0], results.items()):
-    for i, (arm, runs) in enumerate(by_arm.items()):
+    levels = sorted({arm.split("_")[0] for arm in by_arm}, key=lambda a: (a != "sync", a))
+    for arm, runs in by_arm.items():
       n = min(len(r["points"]) for r in runs)
       acc = np.array([[p["accuracy"] for p in r["points"][:n]] for r in runs])
       x = np.array([[p[x_key] for p in r["points"][:n]] for r in runs]).mean(0)
-      color = f"C{i}"
-      style = "-" if arm == "sync" or arm.endswith("_corrected") else "--"
-      ax.plot(x, acc.mean(0), style, color=color, marker="o", ms=3, label=f"{arm} ({len(runs)} seeds)")
+      color = f"C{levels.index(arm.split('_')[0])}"   # one colour per staleness bound
+      style = "--" if arm.endswith("_uncorrected") else "-"
+      seeds = f"{len(runs)} seed{'s' if len(runs) > 1 else ''}"
+      ax.plot(x, acc.mean(0), style, color=color, marker="o", ms=3, label=f"{arm} ({seeds})")
       ax.fill_between(x, acc.min(0), acc.max(0), color=color, alpha=0.15, lw=0)
-    ax.set_title(f"{algo}: held-out greedy accuracy")
+    ax.set_title(f"{algo}: held-out greedy accuracy (band: min..max over seeds; dashed: uncorrected)",
+                 fontsize=9)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("accuracy")
     ax.grid(alpha=0.3)
@@ -165,7 +170,7 @@ def main(argv):
   root = os.path.abspath(_WORKDIR.value)
   os.makedirs(os.path.join(root, "runs"), exist_ok=True)
   t0 = time.perf_counter()
-  hf = common.exported_warmup(root, s["warmup_steps"], _CACHE.value)
+  hf = common.exported_warmup(root, s["warmup_steps"], _CACHE.value, common.QUICK_MODEL if _QUICK.value else ())
   grid = arms(s["staleness"])
   if _QUICK.value:
     grid = {k: v for k, v in grid.items() if k in ("sync", "s1_corrected", "s1_uncorrected")}
@@ -183,7 +188,10 @@ def main(argv):
   with open(os.path.join(root, "staleness.md"), "w") as f:
     f.write(md + "\n")
   with open(os.path.join(root, "staleness.json"), "w") as f:
-    json.dump({"settings": s, "results": results, "seconds": time.perf_counter() - t0}, f, indent=1)
+    logs = [os.path.join(root, "warmup_run.log")] + [
+        os.path.join(root, "runs", n) for n in os.listdir(os.path.join(root, "runs")) if n.endswith(".log")]
+    json.dump({"settings": s, "results": results, "seconds": time.perf_counter() - t0,
+               "runs_seconds": sum(common.run_wall_seconds(p) for p in logs)}, f, indent=1)
   print(md)
 
 

@@ -64,3 +64,8 @@ class Costs:
   rollout_other_s: float = 0.0
   push_s: float = 0.0
   gap_s: float = 0.0     # colocated: host time per step outside every phase (the lane shows it idle)
+  # Separated, two processes sharing one machine's processors: a phase runs this many times slower
+  # while the other side is busy (1: dedicated devices, as at cluster scale).
+  gen_contention: float = 1.0
+  train_contention: float = 1.0
+  push_contention: float = 1.0

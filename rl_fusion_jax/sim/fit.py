@@ -10,7 +10,9 @@ one workload and fits, over all their measured steps:
   * colocated: the mean of (time between update ends - generate_s - train_s) per step, split into
     ``gap_s`` (the time outside every timeline phase, from runs without compile steps) and ``other_s``;
   * separated: the rollout lane's other phases per batch (weights, switch, score, ship), the training
-    lane's (receive, reward, publish) and the weights' push (timeline phase means).
+    lane's (receive, reward, publish) and the weights' push (timeline phase means); generation and the
+    update fitted on the steps that ran while the other side was idle, and their slowdown while it was
+    busy (two processes sharing this machine's cores) on the others (``_fit_separated``).
 ``workload_from_run`` rebuilds the workload (forced lengths exactly; otherwise a log-normal fitted to
 the measured mean and batch maximum of the response lengths) and ``schedule_from_run`` the schedule.
 ``validate`` simulates a run's configuration with fitted costs and compares step time (the mean time
@@ -29,7 +31,8 @@ import numpy as np
 
 from rl_fusion_jax.sim import measure
 from rl_fusion_jax.sim.costs import Costs, GenCost, TrainCost
-from rl_fusion_jax.sim.schedules import Schedule, simulate
+from rl_fusion_jax.sim.engine import PhaseCounts
+from rl_fusion_jax.sim.schedules import Schedule, overlap, simulate
 from rl_fusion_jax.sim.workload import Workload, fit_lognormal
 
 GEN_FEATURES = (("decode_steps", "engine/decode_steps"), ("decode_chunks", "engine/decode_chunks"),
@@ -96,12 +99,78 @@ def fit_costs(runs: list[measure.MeasuredRun]) -> Costs:
             for r in runs if not compile_steps(r)]
     gap_s = min(other_s, max(0.0, statistics.fmean(gaps))) if gaps else 0.0
     return Costs(gen, train, other_s=other_s - gap_s, gap_s=gap_s)
+  return _fit_separated(runs, rows, skip)
+
+
+ALONE = 0.25   # a phase overlapped by the other side for less than this share counts as running alone
+
+
+def _spans(run: measure.MeasuredRun, group: str, name: str | None = None) -> dict[int, tuple[float, float]]:
+  """0-based step -> (start, end) of the group's phase ``name`` (None: the union's bounds per step)."""
+  out: dict[int, tuple[float, float]] = {}
+  for i in run.timeline.intervals:
+    if i.group == group and i.step is not None and i.name not in measure.EXCLUDED_PHASES and (
+        name is None or i.name == name):
+      a, b = out.get(i.step, (i.start, i.end))
+      out[i.step] = (min(a, i.start), max(b, i.end))
+  return out
+
+
+def _busy(run: measure.MeasuredRun, group: str) -> list[tuple[float, float]]:
+  return [(i.start, i.end) for i in run.timeline.intervals
+          if i.group == group and i.name not in measure.EXCLUDED_PHASES]
+
+
+def _contention(cost_fn, rows: list[tuple[dict, float]], measured_key: str) -> float:
+  """The slowdown factor c of ``measured = predicted x (1 + (c - 1) x overlap)``, median over the rows
+  overlapped for at least ALONE of their duration (1 when there are none)."""
+  cs = [1 + (m[measured_key] / cost_fn(m) - 1) / ov for m, ov in rows if ov >= ALONE and cost_fn(m) > 0]
+  return max(1.0, statistics.median(cs)) if cs else 1.0
+
+
+def _fit_separated(runs, rows, skip) -> Costs:
+  """Separated (one process per side): per measured step, the share of its generate phase during which
+  the trainer was busy and of its update during which the rollout side was; costs are fitted on the
+  steps that ran alone (when there are some: the synchronous runs) and the slowdown while overlapped
+  (``Costs.gen_contention`` / ``train_contention``) on the others."""
+  gen_rows, train_rows, push = [], [], []
+  for r in runs:
+    gen, upd, pushes = _spans(r, "rollout", "generate"), _spans(r, "train", "train"), _spans(r, "train", "push")
+    trainer, rollout = _busy(r, "train"), _busy(r, "rollout")
+    for m in r.rows:
+      if (id(r), m["step"]) in skip:
+        continue
+      k = m["step"] - 1
+      if k in gen:
+        gen_rows.append((m, overlap(gen[k], trainer)))
+      if k in upd:
+        train_rows.append((m, overlap(upd[k], rollout)))
+      if k in pushes:
+        push.append((pushes[k][1] - pushes[k][0], overlap(pushes[k], rollout)))
+  alone = lambda pairs: [m for m, ov in pairs if ov < ALONE]
+  gen_fit = alone(gen_rows) if len(alone(gen_rows)) >= 3 else [m for m, _ in gen_rows]
+  train_fit = alone(train_rows) if len(alone(train_rows)) >= 3 else [m for m, _ in train_rows]
+  gen, train = fit_gen(gen_fit or rows), fit_train(train_fit or rows)
+  gen_pred = lambda m: gen.seconds(_counts(m))
+  train_pred = lambda m: train.seconds(m["train_tokens"])
+  c_gen = _contention(gen_pred, gen_rows, "generate_s") if len(gen_fit) < len(gen_rows) else 1.0
+  c_train = _contention(train_pred, train_rows, "train_s") if len(train_fit) < len(train_rows) else 1.0
+  alone_push = [d for d, ov in push if ov < ALONE]
   phases = [r.phase_seconds() for r in runs]
   mean = lambda group, names: statistics.fmean(sum(p.get(group, {}).get(n, 0.0) for n in names) for p in phases)
   roll = {n for p in phases for n in p.get("rollout", {})} - {"generate"}
   trn = {n for p in phases for n in p.get("train", {})} - {"train", "push"}
-  return Costs(gen, train, other_s=mean("train", trn), rollout_other_s=mean("rollout", roll),
-               push_s=mean("train", ["push"]))
+  push_s = statistics.fmean(alone_push) if alone_push else mean("train", ["push"])
+  c_push = 1.0
+  if alone_push and len(alone_push) < len(push):
+    cs = [1 + (d / push_s - 1) / ov for d, ov in push if ov >= ALONE]
+    c_push = max(1.0, statistics.median(cs)) if cs else 1.0
+  return Costs(gen, train, other_s=mean("train", trn), rollout_other_s=mean("rollout", roll), push_s=push_s,
+               gen_contention=c_gen, train_contention=c_train, push_contention=c_push)
+
+
+def _counts(m: dict) -> PhaseCounts:
+  return PhaseCounts(**{name: int(m.get(key, 0)) for name, key in GEN_FEATURES})
 
 
 def workload_from_run(run: measure.MeasuredRun) -> Workload:

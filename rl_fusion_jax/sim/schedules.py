@@ -79,8 +79,14 @@ class SimResult:
     lo, hi = self.window(warm)
     out = {}
     for lane, spans in self.busy.items():
-      busy = sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in spans)
-      out[lane] = 1.0 - busy / (hi - lo)
+      merged = []                        # a lane's intervals may overlap (the trainer's push thread)
+      for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+          merged[-1][1] = max(merged[-1][1], b)
+        else:
+          merged.append([a, b])
+      busy = sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in merged)
+      out[lane] = max(0.0, 1.0 - busy / (hi - lo))
     return out
 
 
@@ -138,46 +144,73 @@ def _colocated(w: Workload, sch: Schedule, costs: Costs, steps: int) -> SimResul
   return SimResult(records, {"all": busy})
 
 
-def _separated(w: Workload, sch: Schedule, costs: Costs, steps: int) -> SimResult:
+def overlap(span: tuple[float, float], others: list[tuple[float, float]]) -> float:
+  """The share of ``span`` covered by the (disjoint, per lane) intervals ``others``."""
+  a, b = span
+  if b <= a:
+    return 0.0
+  return min(1.0, sum(max(0.0, min(b, y) - max(a, x)) for x, y in others) / (b - a))
+
+
+def _separated_pass(w, sch, costs, steps, base, stretch):
+  """One timing pass of the separated schedule with each phase's duration stretched by ``stretch``."""
   s = sch.max_staleness
   weights_at = {0: 0.0}                  # version -> when the rollout side has it
-  rollout_free, train_free, push_free = 0.0, 0.0, 0.0
-  ready, gen_rec, busy = {}, {}, {"rollout": [], "train": []}
-  records = []
+  rollout_free = train_free = push_free = 0.0
+  ready, spans, records = {}, {"gen": {}, "train": {}, "push": {}}, []
+
+  def train(L):
+    nonlocal train_free, push_free
+    start = max(train_free, ready[L])
+    end = start + (base["train"][L] + costs.other_s) * stretch["train"][L]
+    push_start = max(push_free, end)
+    push_free = push_start + costs.push_s * stretch["push"][L]
+    weights_at[L + 1] = push_free
+    spans["train"][L], spans["push"][L] = (start, end), (push_start, push_free)
+    records.append(StepRecord(L + 1, base["gen"][L] * stretch["gen"][L], base["train"][L] * stretch["train"][L],
+                              end - start, base["tokens"][L], end, base["counts"][L], float(min(L, s)), 0))
+    train_free = end
+
   for k in range(steps):
-    # The rollout lane runs ahead as far as the weights allow; batch k needs version max(0, k - s),
-    # which exists once update k - s - 1 is done and pushed: simulate the trainer up to there first.
+    # Batch k needs version max(0, k - s): the updates before it are simulated first.
+    need = max(0, k - s)
+    while need not in weights_at:
+      train(len(records))
+    start = max(rollout_free, weights_at[need])
+    rollout_free = start + base["gen"][k] * stretch["gen"][k] + costs.rollout_other_s
+    spans["gen"][k] = (start, rollout_free)
+    ready[k] = rollout_free
+  while len(records) < steps:
+    train(len(records))
+  return records, spans
+
+
+def _separated(w: Workload, sch: Schedule, costs: Costs, steps: int) -> SimResult:
+  """Batch k is generated whole (a fresh engine, so its counts depend on the batch alone). When the two
+  sides share processors (``costs.*_contention`` > 1: two processes on one
+  machine's cores), a phase is slowed in proportion to the share of it the other side is busy; the
+  schedule is iterated to a fixed point of those shares (the trainer's weight push counts as busy)."""
+  base = {"gen": [], "train": [], "tokens": [], "counts": []}
+  for k in range(steps):
     engine = _engine(w, sch)
     engine.add(w.requests(k * w.num_prompts, w.num_prompts))
-    need = max(0, k - s)
-    while need not in weights_at:        # train the batches the needed version depends on
-      L = len(records)
-      start = max(train_free, ready[L])
-      tokens = _tokens(gen_rec[L][0])
-      train_s = costs.train.seconds(tokens)
-      end = start + train_s + costs.other_s
-      busy["train"].append((start, end))
-      push_free = max(push_free, end) + costs.push_s
-      weights_at[L + 1] = push_free
-      records.append(StepRecord(L + 1, gen_rec[L][1], train_s, end - max(train_free, start), tokens, end,
-                                gen_rec[L][2], float(L - max(0, L - s)), 0))
-      train_free = end
-    start = max(rollout_free, weights_at[need])
-    taken, counts = engine.run(need)
-    generate_s = costs.gen.seconds(counts)
-    rollout_free = start + generate_s + costs.rollout_other_s
-    busy["rollout"].append((start, rollout_free))
-    ready[k], gen_rec[k] = rollout_free, (taken, generate_s, counts)
-  while len(records) < steps:
-    L = len(records)
-    start = max(train_free, ready[L])
-    tokens = _tokens(gen_rec[L][0])
-    train_s = costs.train.seconds(tokens)
-    end = start + train_s + costs.other_s
-    busy["train"].append((start, end))
-    records.append(StepRecord(L + 1, gen_rec[L][1], train_s, end - start, tokens, end, gen_rec[L][2],
-                              float(L - max(0, L - s)), 0))
-    train_free = end
+    taken, counts = engine.run(max(0, k - sch.max_staleness))
+    base["gen"].append(costs.gen.seconds(counts))
+    base["tokens"].append(_tokens(taken))
+    base["train"].append(costs.train.seconds(base["tokens"][-1]))
+    base["counts"].append(counts)
+  stretch = {k: [1.0] * steps for k in ("gen", "train", "push")}
+  for _ in range(1 if costs.gen_contention == costs.train_contention == costs.push_contention == 1.0 else 12):
+    records, spans = _separated_pass(w, sch, costs, steps, base, stretch)
+    trainer = list(spans["train"].values()) + list(spans["push"].values())
+    rollout = list(spans["gen"].values())
+    for k in range(steps):   # damped update of the stretch factors
+      for name, c, others in (("gen", costs.gen_contention, trainer), ("train", costs.train_contention, rollout),
+                              ("push", costs.push_contention, rollout)):
+        target = 1.0 + (c - 1.0) * overlap(spans[name][k], others)
+        stretch[name][k] = 0.5 * (stretch[name][k] + target)
+  busy = {"rollout": sorted(spans["gen"].values()),
+          "train": sorted(list(spans["train"].values()) + list(spans["push"].values()))}
   return SimResult(records, busy)
 
 
