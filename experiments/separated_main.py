@@ -71,10 +71,13 @@ def main(argv):
     sys.exit(1)
   if _PROCESS.value == 0:
     logging.info("summary: %s", json.dumps({k: v for k, v in summary.items() if k != "groups"}, indent=1))
+    # After step 0 when the run has steps after it on both sides, else over the whole run.
+    key, when = (("overlap_after_first", "after step 0") if "overlap_after_first/both_busy_frac" in summary
+                 else ("overlap", "over the run"))
     print(f"accuracy before RL: {summary['accuracy_before']:.3f}  after RL: {summary['accuracy_after']:.3f}  "
-          f"both sides busy {summary['overlap_after_first/both_busy_frac']:.1%} of the time after step 0 "
-          f"(rollout idle {summary['overlap_after_first/rollout_idle_frac']:.1%}, training idle "
-          f"{summary['overlap_after_first/train_idle_frac']:.1%})")
+          f"both sides busy {summary[f'{key}/both_busy_frac']:.1%} of the time {when} "
+          f"(rollout idle {summary[f'{key}/rollout_idle_frac']:.1%}, training idle "
+          f"{summary[f'{key}/train_idle_frac']:.1%})")
   jax.distributed.shutdown()
 
 

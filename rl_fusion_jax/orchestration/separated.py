@@ -687,6 +687,8 @@ def _overlap_summary(intervals: list[list], first_step: int) -> dict[str, float]
     return {}
   start = max(min(s for s, _ in spans(role)) for role in ROLES)
   out = overlap(spans("rollout"), spans("train"), start)
+  if not out:   # one side has nothing left after ``start`` (a run of very few steps)
+    return {}
   busy = _intersection(_clip(spans("rollout", ("generate",)), start),
                        _clip(spans("train", ("reference", "reward", "reward_model", "train")), start))
   return out | {"generate_while_train_frac": busy / out["wall_s"]}
