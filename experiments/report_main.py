@@ -1,7 +1,7 @@
 r"""One command for the ablation report: runs (or reuses) every part and regenerates RESULTS.md.
 
   python experiments/report_main.py --workdir=/tmp/report --results=RESULTS.md     # the committed report
-  python experiments/report_main.py --workdir=/tmp/report_q --quick                # reduced, a few minutes
+  python experiments/report_main.py --workdir=/tmp/report_q --quick                # reduced, about a minute
 
 Parts, each a binary of its own whose runs are reused when the workdir already holds them:
   1. learning under staleness: experiments/staleness_main.py --workdir=WORKDIR/staleness (its exported
