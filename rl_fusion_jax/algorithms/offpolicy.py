@@ -79,6 +79,31 @@ def _score(logp_bt: Float[Array, "b t"]) -> Float[Array, "b t"]:
   return jnp.exp(logp_bt - jax.lax.stop_gradient(logp_bt))
 
 
+def _proximal_ppo(logp_bt, behaviour_logp_bt, adv, *, clip_low, clip_high, dual_clip, is_cap, proximal_logp_bt,
+                  log_ratio_clamp) -> tuple[Float[Array, "b t"], Float[Array, "b t"], Stats]:
+  """PPO's clipped term around the proximal policy and the truncated behaviour weight, apart:
+  (ppo_bt, min(w, is_cap), stats), shared by `decoupled_ppo_surrogate` and `uncorrected_surrogate`."""
+  _check_clip_params(clip_low, clip_high, dual_clip)
+  logp_bt, behaviour_bt, prox_bt, adv_bt = _prepare(
+      logp_bt, behaviour_logp_bt, adv, proximal_logp_bt, log_ratio_clamp, is_cap
+  )
+  ratio_bt, ratio_clamped_bt = clamped_exp(logp_bt - prox_bt, log_ratio_clamp)
+  ppo_bt, clipped_bt, dual_clipped_bt = ppo_clip_term(
+      ratio_bt, adv_bt, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
+  )
+  w_bt, w_clamped_bt = clamped_exp(prox_bt - behaviour_bt, log_ratio_clamp)
+  w_trunc_bt, truncated_bt = _truncate(w_bt, is_cap)
+  stats = {
+      "ratio": ratio_bt,
+      "clipped": clipped_bt,
+      "dual_clipped": dual_clipped_bt,
+      "is_weight": w_bt,
+      "is_truncated": truncated_bt,
+      "log_ratio_clamped": jnp.maximum(ratio_clamped_bt, w_clamped_bt),
+  }
+  return ppo_bt, w_trunc_bt, stats
+
+
 def decoupled_ppo_surrogate(
     logp_bt: Float[ArrayLike, "b t"],
     behaviour_logp_bt: Float[ArrayLike, "b t"],
@@ -119,24 +144,9 @@ def decoupled_ppo_surrogate(
     term; "is_weight" w (untruncated); "is_truncated" (w > is_cap); "log_ratio_clamped" (either clamp).
   """
   del mask_bt  # Unused: see the docstring.
-  _check_clip_params(clip_low, clip_high, dual_clip)
-  logp_bt, behaviour_bt, prox_bt, adv_bt = _prepare(
-      logp_bt, behaviour_logp_bt, adv, proximal_logp_bt, log_ratio_clamp, is_cap
-  )
-  ratio_bt, ratio_clamped_bt = clamped_exp(logp_bt - prox_bt, log_ratio_clamp)
-  ppo_bt, clipped_bt, dual_clipped_bt = ppo_clip_term(
-      ratio_bt, adv_bt, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
-  )
-  w_bt, w_clamped_bt = clamped_exp(prox_bt - behaviour_bt, log_ratio_clamp)
-  w_trunc_bt, truncated_bt = _truncate(w_bt, is_cap)
-  stats = {
-      "ratio": ratio_bt,
-      "clipped": clipped_bt,
-      "dual_clipped": dual_clipped_bt,
-      "is_weight": w_bt,
-      "is_truncated": truncated_bt,
-      "log_ratio_clamped": jnp.maximum(ratio_clamped_bt, w_clamped_bt),
-  }
+  ppo_bt, w_trunc_bt, stats = _proximal_ppo(
+      logp_bt, behaviour_logp_bt, adv, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+      is_cap=is_cap, proximal_logp_bt=proximal_logp_bt, log_ratio_clamp=log_ratio_clamp)
   return w_trunc_bt * ppo_bt, stats
 
 
@@ -169,24 +179,9 @@ def uncorrected_surrogate(
   Returns: loss_bt and the `losses.POLICY_LOSS_STATS` keys, "is_weight" w = exp(clamp(prox - behaviour)).
   """
   del mask_bt  # Unused: aggregation applies the mask.
-  _check_clip_params(clip_low, clip_high, dual_clip)
-  logp_bt, behaviour_bt, prox_bt, adv_bt = _prepare(
-      logp_bt, behaviour_logp_bt, adv, proximal_logp_bt, log_ratio_clamp, is_cap
-  )
-  ratio_bt, ratio_clamped_bt = clamped_exp(logp_bt - prox_bt, log_ratio_clamp)
-  ppo_bt, clipped_bt, dual_clipped_bt = ppo_clip_term(
-      ratio_bt, adv_bt, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
-  )
-  w_bt, w_clamped_bt = clamped_exp(prox_bt - behaviour_bt, log_ratio_clamp)
-  _, truncated_bt = _truncate(w_bt, is_cap)
-  stats = {
-      "ratio": ratio_bt,
-      "clipped": clipped_bt,
-      "dual_clipped": dual_clipped_bt,
-      "is_weight": w_bt,
-      "is_truncated": truncated_bt,
-      "log_ratio_clamped": jnp.maximum(ratio_clamped_bt, w_clamped_bt),
-  }
+  ppo_bt, _, stats = _proximal_ppo(
+      logp_bt, behaviour_logp_bt, adv, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+      is_cap=is_cap, proximal_logp_bt=proximal_logp_bt, log_ratio_clamp=log_ratio_clamp)
   return ppo_bt, stats
 
 
