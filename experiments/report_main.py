@@ -171,8 +171,6 @@ def main(argv):
     ablation = json.load(f)
   with open(os.path.join(sim, "validation.json")) as f:
     validation = json.load(f)
-  with open(os.path.join(sim, "cluster.json")) as f:
-    clus = json.load(f)
   base = os.path.dirname(results)
   bars = _copy(os.path.join(ab, "table1.png"), figures, base)
   timelines = [_copy(os.path.join(ab, f"timeline_{w}_{v}.png"), figures, base)

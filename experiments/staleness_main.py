@@ -32,7 +32,6 @@ that the pipeline works, not a result).
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import time

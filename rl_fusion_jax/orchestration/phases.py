@@ -230,9 +230,9 @@ def generation_phase(programs: Programs, state, step: int, timeline: Timeline, r
               "engine/slot_utilization": float(result.stats.get("slot_utilization", 0.0)),
               "engine/kv_cache_bytes": float(kv_cache_bytes(programs.cfg)),
               "engine/decode_steps": float(result.stats.get("decode_steps", 0)),
-              # What the generate phase's time is made of (the simulator's cost fit: rl_fusion_jax/sim):
-              # decode chunks (one host round trip each), prefill calls, and the rows they inserted (new
-              # samples) or recomputed (samples carried in flight from the previous phase).
+              # Decode chunks (one host round trip each), prefill calls, and the rows they inserted (new
+              # samples) or recomputed (samples carried in flight from the previous phase); the simulator's
+              # cost fit (rl_fusion_jax/sim/fit.py) reads the chunk and call counts.
               **{f"engine/{k}": float(result.stats.get(k, 0))
                  for k in ("decode_chunks", "prefill_calls", "prefill_rows", "reprefill_rows")}}
   return state, result, metrics

@@ -32,9 +32,6 @@ class GenCost:
   def seconds(self, counts: PhaseCounts) -> float:
     return self.phase + sum(getattr(self, k) * getattr(counts, k) for k in GEN_TERMS[1:])
 
-  def scaled(self, factor: float) -> "GenCost":
-    return GenCost(**{k: getattr(self, k) * factor for k in GEN_TERMS})
-
 
 @dataclasses.dataclass(frozen=True)
 class TrainCost:
@@ -44,9 +41,6 @@ class TrainCost:
 
   def seconds(self, tokens: float) -> float:
     return self.fixed + self.per_token * tokens
-
-  def scaled(self, factor: float) -> "TrainCost":
-    return TrainCost(self.fixed * factor, self.per_token * factor)
 
 
 @dataclasses.dataclass(frozen=True)
