@@ -31,6 +31,7 @@ _PROFILE_DIR = flags.DEFINE_string("profile_dir", "", "Trace the measured steps 
                                    "folder (a Perfetto trace, *.trace.json.gz, beside the XPlane one).")
 _TURN_STEPS = flags.DEFINE_integer("turn_steps", 0, "Take turns: wait on stdin after the warm-up and "
                                    "after every N measured steps (0: never).")
+_DISTRIBUTED = common.define_distributed_flags()   # several processes: README "Multi-host runs"
 flags.mark_flags_as_required(["config"])
 
 # Per-step figures a turn reports.
@@ -67,15 +68,18 @@ def main(argv):
   t_start = time.perf_counter()
   from rl_fusion_jax import config as config_lib
   cfg = config_lib.experiment_from_dict(_CONFIG.value)
-  common.setup_jax(cfg.mesh.cpu_devices, _CACHE.value)
+  common.setup_jax(cfg.mesh.cpu_devices, _CACHE.value, _DISTRIBUTED())
   import jax
-  from rl_fusion_jax.orchestration import phases, setup as setup_lib
+  from rl_fusion_jax import distributed
+  from rl_fusion_jax.orchestration import phases, processes, setup as setup_lib
   from rl_fusion_jax.orchestration.programs import Programs
   from rl_fusion_jax.timeline import Timeline
   from rl_fusion_jax.train import state as state_lib
 
   setup = setup_lib.validate(cfg, jax.device_count())
+  distributed.check_same_config(config_lib.as_dict(cfg))
   programs = Programs(setup)
+  programs.verify.share = processes.Share.of_run()   # host scoring split over the processes
   mesh = programs.mesh
   params = phases.init_policy(setup, programs)
   ref = programs.deployment.place_aux(params, programs.ref_param_shardings,
@@ -94,6 +98,7 @@ def main(argv):
     if _PROFILE_DIR.value and step == _WARMUP.value + 1:
       jax.profiler.start_trace(_PROFILE_DIR.value, create_perfetto_trace=True)
     state, m = phases.rl_step(setup, programs, state, ref, step, timeline)
+    m = processes.reduce_metrics(step, m)   # of several processes: times are the slowest process's
     if step > _WARMUP.value:
       rows.append(m)
     maybe_end_turn(step, rows)
@@ -105,7 +110,7 @@ def main(argv):
   step_s, gen_s, train_s = med("step_s"), med("generate_s"), med("train_s")
   flops = model_flops(cfg, med("response_len_mean"))
   out = {
-      "config": cfg.model.config.model_type, "devices": jax.device_count(),
+      "config": cfg.model.config.model_type, "devices": jax.device_count(), "processes": jax.process_count(),
       "platform": jax.devices()[0].platform, "mesh": dict(mesh.shape), "steps": len(rows),
       "median_step_s": round(step_s, 4), "first_step_s": round(first_s, 3),
       "startup_s": round(t0 - t_start, 3),
@@ -125,7 +130,8 @@ def main(argv):
       value = statistics.median(r[key] for r in rows if key in r)   # memory: only on sampled switches
       out[key] = round(value, 4) if key.endswith("seconds") else value
   del first
-  print(json.dumps(out, sort_keys=True))
+  if distributed.is_writer():
+    print(json.dumps(out, sort_keys=True))
 
 
 if __name__ == "__main__":

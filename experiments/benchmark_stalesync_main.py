@@ -11,8 +11,10 @@ from a clipped log-normal, the same length for the same sample id in every varia
 overrides: sync; StaleSync (s, f) = (1, 0.5), (1, 0.75), (2, 0.5), (2, 0.75), all colocated;
 StaleSync (1, 0.5) in separated mode in one process, where JAX on CPU runs the two sub-meshes one after
 the other (that row shows the cost of splitting the devices, not the overlap separated mode is for);
-and separated mode with one process per side (experiments/separated_main.py, s = 1, whole batches),
-where rollout and training overlap.
+separated mode with one process per side (experiments/separated_main.py, s = 1, whole batches),
+where rollout and training overlap; and StaleSync (1, 0.5) colocated as 2 processes x 1 device
+(grpo_main.py with the multi-host settings: every program spans both processes), whose idle column has
+a lane per process ("all" is process 0, "all@p1" process 1).
 With --repeats=R the runs are interleaved (every variant once, then every variant again, the order
 rotated each round), so drift on a shared machine hits all variants alike; figures are medians over
 the repeats.
@@ -74,8 +76,12 @@ VARIANTS = {
     # One process per side (experiments/separated_main.py): rollout and training overlap for real.
     # Whole batches (f = 1), batch k generated with version max(0, k - 1): reproducible.
     "separated_2proc_stalesync_s1": _stalesync(1, 1.0) + ("fusion.mode=separated", "mesh.cpu_devices=1"),
+    # The colocated StaleSync run as 2 processes x 1 device (grpo_main.py with the multi-host settings,
+    # README "Multi-host runs"): the same schedule as stalesync_s1_f0.5, every program across processes.
+    "stalesync_s1_f0.5_2proc": _stalesync(1, 0.5),
 }
 TWO_PROCESSES = ("separated_2proc_stalesync_s1",)
+MULTI_HOST = ("stalesync_s1_f0.5_2proc",)   # grpo_main.py as 2 local processes x 1 CPU device
 TIMELINE_PNGS = {"sync": "timeline_sync_longtail.png", "stalesync_s1_f0.5": "timeline_stalesync_longtail.png"}
 
 
@@ -87,6 +93,13 @@ def run_variant(name: str, workdir: str) -> None:
           f"--workdir={workdir}", f"--compilation_cache={_CACHE.value}",
           f"--config.run.steps={_WARM.value + _STEPS.value}"]
   args += [f"--config.{o}" for o in list(_OVERRIDES.value) + list(VARIANTS[name])]
+  if name in MULTI_HOST:
+    from rl_fusion_jax.testing import launch  # pylint: disable=g-import-not-at-top
+    run = launch.start("grpo_main.py", args[2:], processes=2, devices=1, log_dir=workdir + "_logs")
+    codes = run.wait(3600)
+    if any(codes):
+      raise RuntimeError(f"variant {name} failed (status {codes}):\n{run.log(0)[-3000:]}")
+    return
   with open(workdir + ".log", "w") as log:
     done = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, check=False)
   if done.returncode:

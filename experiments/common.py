@@ -89,7 +89,27 @@ def median_seconds(fn, *args, repeats: int, warmup: int = 1) -> float:
   return statistics.median(times)
 
 
-def setup_jax(cpu_devices: int, cache_dir: str) -> None:
+def define_distributed_flags():
+  """The multi-process settings of a binary (``rl_fusion_jax/distributed.py``); returns a function giving
+  the ``DistributedConfig`` once flags are parsed."""
+  f = absl_flags
+  coordinator = f.DEFINE_string("coordinator_address", "", "host:port of process 0's coordination service "
+                                "(else JAX_COORDINATOR_ADDRESS; unset: one process, or the cluster's own).")
+  count = f.DEFINE_integer("num_processes", 0, "Processes in the run (else JAX_NUM_PROCESSES).")
+  process = f.DEFINE_integer("process_id", -1, "This process's id, 0..num_processes-1 (else JAX_PROCESS_ID).")
+  timeout = f.DEFINE_integer("distributed_timeout_s", 120, "Seconds start-up waits for the coordinator and "
+                             "every process.")
+  heartbeat = f.DEFINE_integer("heartbeat_timeout_s", 10, "Seconds without a heartbeat after which a process "
+                               "counts as dead and the whole run fails.")
+
+  def get():
+    from rl_fusion_jax.distributed import DistributedConfig  # pylint: disable=g-import-not-at-top
+    return DistributedConfig.from_flags(coordinator.value, count.value, process.value,
+                                        timeout_s=timeout.value, heartbeat_timeout_s=heartbeat.value)
+  return get
+
+
+def setup_jax(cpu_devices: int, cache_dir: str, distributed=None) -> None:
   """One virtual CPU device per core by default (more only add overhead on CPU); persistent cache."""
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
@@ -97,11 +117,16 @@ def setup_jax(cpu_devices: int, cache_dir: str) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
   quiet_libraries()
   import jax  # pylint: disable=g-import-not-at-top
+  if distributed is not None:   # before anything starts the backend
+    from rl_fusion_jax import distributed as distributed_lib  # pylint: disable=g-import-not-at-top
+    distributed_lib.initialize(distributed)
   if cache_dir:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  logging.info("JAX %s on %s: %d devices", jax.__version__, jax.devices()[0].platform, jax.device_count())
+  logging.info("JAX %s on %s: %d devices, %d local to process %d of %d", jax.__version__,
+               jax.devices()[0].platform, jax.device_count(), jax.local_device_count(), jax.process_index(),
+               jax.process_count())
 
 
 def summary_line(summary: dict) -> str:

@@ -24,6 +24,7 @@ _RESUME_OVERRIDE = flags.DEFINE_list(
     "they change the meaning of the run; each is logged and recorded in DIR/resume_log.jsonl.")
 _EXPORT_HF = flags.DEFINE_string("export_hf", "", "Also write the final policy as a Hugging Face checkpoint "
                                   "folder here (loadable with --config.model.hf_path).")
+_DISTRIBUTED = common.define_distributed_flags()
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -33,7 +34,7 @@ def main(argv):
   from rl_fusion_jax.errors import RunError
   try:
     cfg = config_lib.experiment_from_dict(_CONFIG.value)
-    common.setup_jax(cfg.mesh.cpu_devices, _CACHE.value)
+    common.setup_jax(cfg.mesh.cpu_devices, _CACHE.value, _DISTRIBUTED())
     from rl_fusion_jax.orchestration import loop
     logging.info("config:\n%s", _CONFIG.value)
     summary = loop.run(cfg, _WORKDIR.value, tensorboard=_TENSORBOARD.value,

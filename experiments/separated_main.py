@@ -8,6 +8,11 @@ Launches itself twice (process 0: rollout, process 1: training; ``--config.mesh.
 each, ``fusion.rollout_fraction=0.5``), joined by jax.distributed on 127.0.0.1, and prints the summary:
 accuracy, and the overlap measured on the merged timeline (DIR/timeline.jsonl). Writes DIR/metrics.jsonl
 (training side), DIR/summary.json and DIR/config.json. No checkpoints: resume is not supported here.
+
+On two machines (or two shells), start one process per side yourself with the standard settings
+(README, "Multi-host runs"): the same command with ``--coordinator_address=HOST0:PORT --num_processes=2``
+and ``--process_id=0`` (rollout, on HOST0) or ``--process_id=1`` (training); or the environment variables
+JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID.
 """
 import json
 import os
@@ -28,8 +33,7 @@ _SCHEDULE = flags.DEFINE_enum("schedule", "reproducible", ["reproducible", "oppo
 _TRANSPORT = flags.DEFINE_enum("weight_transport", "kv", ["kv", "collective"], "How weights travel.")
 _CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/rl_fusion_jax/jax_cache",
                              "Persistent XLA compilation cache ('' disables).")
-_PROCESS = flags.DEFINE_integer("process_id", -1, "Internal: the side this process runs (-1: launch both).")
-_PORT = flags.DEFINE_integer("port", 0, "Internal: the coordinator's port.")
+_DISTRIBUTED = common.define_distributed_flags()   # unset: this command starts both sides here
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -38,7 +42,8 @@ def launch(argv) -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  procs = [subprocess.Popen([sys.executable] + argv + [f"--process_id={i}", f"--port={port}"]) for i in (0, 1)]
+  procs = [subprocess.Popen([sys.executable] + argv + [f"--coordinator_address=127.0.0.1:{port}",
+                                                       "--num_processes=2", f"--process_id={i}"]) for i in (0, 1)]
   while not all(p.poll() == 0 for p in procs) and not any(p.poll() for p in procs):
     time.sleep(0.5)
   for p in procs:
@@ -49,17 +54,26 @@ def launch(argv) -> int:
 
 def main(argv):
   del argv
-  if _PROCESS.value < 0:
-    sys.exit(launch(sys.argv))
   from rl_fusion_jax import config as config_lib  # after flags parse; imports jax
-  from rl_fusion_jax.errors import RunError
+  from rl_fusion_jax.errors import ConfigError, RunError
   try:
+    distributed = _DISTRIBUTED()
+  except ConfigError as e:
+    sys.stderr.write(f"error: {e}\n")
+    sys.exit(1)
+  if not distributed.explicit:
+    sys.exit(launch(sys.argv))
+  role = distributed.process_id
+  try:
+    if distributed.num_processes != 2 or role not in (0, 1):
+      raise ConfigError(f"--num_processes={distributed.num_processes} --process_id={role}: the separated "
+                        "schedule runs exactly 2 processes (0: rollout, 1: training)")
     cfg = config_lib.experiment_from_dict(_CONFIG.value)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +   # per process; before JAX starts
                                f" --xla_force_host_platform_device_count={cfg.mesh.cpu_devices or 1}").strip()
     common.quiet_libraries()
     from rl_fusion_jax.orchestration import separated
-    separated.initialize(f"127.0.0.1:{_PORT.value}", _PROCESS.value, _TRANSPORT.value)
+    separated.initialize(distributed, _TRANSPORT.value)
     import jax
     if _CACHE.value:   # (JAX writes it from process 0 only: the training side recompiles)
       jax.config.update("jax_compilation_cache_dir", os.path.expanduser(_CACHE.value))
@@ -67,9 +81,9 @@ def main(argv):
                                 weight_transport=_TRANSPORT.value)
     summary = separated.run(cfg, _WORKDIR.value, options)
   except RunError as e:
-    sys.stderr.write(f"error ({('rollout', 'training')[_PROCESS.value]} process): {e}\n")
+    sys.stderr.write(f"error ({('rollout', 'training', '?')[role if role in (0, 1) else 2]} process): {e}\n")
     sys.exit(1)
-  if _PROCESS.value == 0:
+  if role == 0:
     logging.info("summary: %s", json.dumps({k: v for k, v in summary.items() if k != "groups"}, indent=1))
     # After step 0 when the run has steps after it on both sides, else over the whole run.
     key, when = (("overlap_after_first", "after step 0") if "overlap_after_first/both_busy_frac" in summary

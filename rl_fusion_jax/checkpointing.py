@@ -32,6 +32,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from rl_fusion_jax.distributed import fetch
 from rl_fusion_jax.errors import CheckpointError
 
 
@@ -70,7 +71,7 @@ def _paths(tree) -> list[str]:
 
 def fingerprint(tree) -> tuple[dict[str, int], bool]:
   """({leaf path: fingerprint}, all floating-point values finite) of a tree of jax arrays."""
-  prints, finite = jax.device_get(_fingerprints(tree))
+  prints, finite = fetch(_fingerprints(tree))
   return dict(zip(_paths(tree), (int(p) for p in prints))), bool(finite)
 
 

@@ -29,3 +29,7 @@ class CheckpointError(RunError):
 
 class DivergenceError(RunError):
   """Training produced a non-finite loss, gradient or parameter and the policy is to stop."""
+
+
+class ProcessError(RunError):
+  """Another process of a multi-process run failed or disagreed (its message is carried here)."""

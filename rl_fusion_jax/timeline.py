@@ -9,7 +9,8 @@ file (resume) continues the clock after the last recorded time, so sessions neve
 File format, one object per line, `kind` first:
 
   {"kind": "session", "start": 0.0, "unix_time": 1.7e9}      a (re)start; `start` is in timeline seconds
-  {"kind": "group", "name": "rollout", "devices": [0, 1]}    a device group, written once per name
+  {"kind": "group", "name": "rollout", "devices": [0, 1]}    a device group (a resumed session on other
+                                                             devices writes it again: the last counts)
   {"kind": "phase", "name": "generate", "group": "rollout", "step": 3, "start": 1.25, "end": 2.5}
 
 `summarize` gives per group the busy seconds per phase name and the idle seconds (gaps inside the group's
@@ -140,6 +141,7 @@ class Timeline:
     if self.path is not None and os.path.exists(self.path):
       previous = load_timeline(self.path)
     self.groups: dict[str, tuple[int, ...]] = dict(previous.groups)
+    self._registered: set[str] = set()   # groups registered in this session
     self.intervals: list[Interval] = list(previous.intervals)
     self.sessions: list[float] = list(previous.sessions)
     self._offset = previous.end   # a resumed timeline continues after everything already recorded
@@ -158,15 +160,18 @@ class Timeline:
     return self._offset + (t - self._origin)
 
   def add_group(self, name: str, device_ids: Iterable[int]) -> None:
-    """Registers a device group once; registering it again with the same devices is a no-op."""
+    """Registers a device group once; registering it again with the same devices is a no-op. A group
+    loaded from the file (an earlier session) may be registered with other devices: a resumed run on
+    another layout (another mesh or process count); the file then holds both, and the last one counts."""
     _check_name("group", name)
     ids = _check_devices(name, device_ids)
     with self._lock:
-      if name in self.groups:
+      if name in self.groups and (self.groups[name] == ids or name in self._registered):
         if self.groups[name] != ids:
           raise ValueError(f"group {name!r}: already registered with devices {list(self.groups[name])}, "
                            f"got {list(ids)}")
         return
+      self._registered.add(name)   # a group of an earlier session (resumed) may change devices once
       self.groups[name] = ids
       self._append({"kind": "group", "name": name, "devices": list(ids)})
 
@@ -252,9 +257,7 @@ def _add_loaded_group(groups: dict, record: dict, where: str) -> None:
     ids = _check_devices(_check_name("name", name), devices)
   except ValueError as e:
     raise ValueError(f"{where}: {e}") from None
-  if groups.get(name, ids) != ids:
-    raise ValueError(f"{where}: group {name!r} redefined with devices {list(ids)} (was {list(groups[name])})")
-  groups[name] = ids
+  groups[name] = ids   # a later definition (a resumed session on another layout) replaces an earlier one
 
 
 def _loaded_interval(record: dict, where: str) -> Interval:

@@ -212,22 +212,40 @@ class Separated(Deployment):
 MODES: dict[str, type[Deployment]] = {c.mode: c for c in (Colocated, FullyColocated, Hybrid, Separated)}
 
 
+def split_devices(devices, n: int, field: str, per_process: bool = True) -> tuple[list, list]:
+  """(the first ``n`` devices, the rest). Of devices on several processes (with ``per_process``), the
+  same share of each process's devices, in process order: every sub-mesh then spans every process, so
+  each process runs every program on its own devices (one program, many controllers) and the run needs
+  no cross-process scheduling. Without ``per_process`` the first ``n`` in ``jax.devices()`` order: one
+  process per side, for rollout and training overlapping (``orchestration/separated.py``)."""
+  procs = sorted({d.process_index for d in devices})
+  if len(procs) == 1 or not per_process:
+    return devices[:n], devices[n:]
+  local = [[d for d in devices if d.process_index == p] for p in procs]
+  if n % len(procs) or len({len(ds) for ds in local}) > 1:
+    raise ValueError(f"{field}: {n} of {len(devices)} devices do not split evenly over the {len(procs)} "
+                     "processes (each process gives the same number of its devices to each sub-mesh)")
+  k = n // len(procs)
+  return [d for ds in local for d in ds[:k]], [d for ds in local for d in ds[k:]]
+
+
 def make_deployment(cfg: ExperimentConfig, abstract_params, logical_axes, tx,
-                    devices=None) -> Deployment:
-  """Builds meshes and layouts for ``cfg.fusion.mode``; raises naming the config field on bad input."""
+                    devices=None, *, per_process: bool = True) -> Deployment:
+  """Builds meshes and layouts for ``cfg.fusion.mode``; raises naming the config field on bad input.
+  ``per_process``: how sub-meshes split devices of several processes (``split_devices``)."""
   devices = list(jax.devices() if devices is None else devices)
   f = cfg.fusion
   train_rules = merge_rules(TRAIN_RULES, f.train_rules)
   generate_rules = merge_rules(GENERATE_RULES, f.generate_rules)
   if f.mode == "separated":
     n_rollout, _ = f.split(len(devices))
-    rollout_mesh = mesh_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=cfg.mesh.tensor),
-                                      devices[:n_rollout])
-    train_mesh = aux_mesh = mesh_lib.make_mesh(cfg.mesh, devices[n_rollout:])
+    first, rest = split_devices(devices, n_rollout, "config.fusion.rollout_fraction", per_process)
+    rollout_mesh = mesh_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=cfg.mesh.tensor), first)
+    train_mesh = aux_mesh = mesh_lib.make_mesh(cfg.mesh, rest)
   elif f.mode == "hybrid":
-    n_aux = f.aux_split(len(devices))
-    aux_mesh = mesh_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1), devices[:n_aux])
-    train_mesh = rollout_mesh = mesh_lib.make_mesh(cfg.mesh, devices[n_aux:])
+    first, rest = split_devices(devices, f.aux_split(len(devices)), "config.fusion.aux_devices", per_process)
+    aux_mesh = mesh_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1), first)
+    train_mesh = rollout_mesh = mesh_lib.make_mesh(cfg.mesh, rest)
   else:
     train_mesh = rollout_mesh = aux_mesh = mesh_lib.make_mesh(cfg.mesh, devices)
   try:
@@ -244,10 +262,10 @@ def make_deployment(cfg: ExperimentConfig, abstract_params, logical_axes, tx,
                        train_rules=train_rules, generate_rules=generate_rules, memory_every=f.memory_every)
 
 
-def check_rules(cfg: ExperimentConfig, num_devices: int) -> None:
+def check_rules(cfg: ExperimentConfig, num_devices: int, *, per_process: bool = True) -> None:
   """Start-up validation of the rule tables against the mesh and the model (nothing is allocated)."""
   abstract = models.abstract_params(cfg.model.config)
   axes = models.param_logical_axes(cfg.model.config)
   devices = np.asarray(jax.devices()[:num_devices])
   import optax  # pylint: disable=g-import-not-at-top
-  make_deployment(cfg, abstract, axes, optax.identity(), list(devices))
+  make_deployment(cfg, abstract, axes, optax.identity(), list(devices), per_process=per_process)

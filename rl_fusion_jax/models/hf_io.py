@@ -22,6 +22,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from rl_fusion_jax.distributed import fetch
 from rl_fusion_jax.models.config import ModelConfig
 from rl_fusion_jax.models.decoder import (STACKS, Params, abstract_params, check_params, flatten,
                                           path_str, unflatten)
@@ -327,7 +328,7 @@ def save_hf(cfg: ModelConfig, params: Params, path: str | os.PathLike, *, dtype:
   tensors = {}
   given = dict(flatten(params))
   for ours, leaf in name_map(cfg).items():
-    tensors.update(export_leaf(np.asarray(jax.device_get(given[ours])), leaf, np_dtype))
+    tensors.update(export_leaf(np.asarray(fetch(given[ours])), leaf, np_dtype))
   parent = os.path.dirname(path)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)

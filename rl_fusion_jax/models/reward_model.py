@@ -30,6 +30,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 from safetensors.numpy import save_file
 
+from rl_fusion_jax.distributed import fetch
 from rl_fusion_jax.models import decoder, hf_config, hf_io
 from rl_fusion_jax.models.config import ModelConfig
 from rl_fusion_jax.models.layers import F32
@@ -162,9 +163,9 @@ def hf_tensors(cfg: ModelConfig, params: dict[str, Any], heads: HeadTensors, np_
   body = dict(decoder.flatten(params["body"]))
   tensors = {}
   for ours, leaf in hf_io.name_map(body_config(cfg)).items():
-    tensors.update(hf_io.export_leaf(np.asarray(jax.device_get(body[ours])), leaf, np_dtype))
+    tensors.update(hf_io.export_leaf(np.asarray(fetch(body[ours])), leaf, np_dtype))
   for hf_name, (key, layout, _) in heads.items():
-    x = np.asarray(jax.device_get(params["score"][key])).astype(np_dtype)
+    x = np.asarray(fetch(params["score"][key])).astype(np_dtype)
     tensors[hf_name] = np.ascontiguousarray(hf_io.to_hf_layout(x, layout))
   return tensors
 

@@ -22,8 +22,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from rl_fusion_jax import distributed
 from rl_fusion_jax.config import ExperimentConfig
 from rl_fusion_jax.models import value_model
 from rl_fusion_jax.sharding import reshard
@@ -72,13 +74,13 @@ class CriticStage:
       params = jax.jit(lambda p: value_model.value_params_from_policy(model_cfg, p),
                        out_shardings=self.placement.param_shardings)(policy_params)
     else:
-      params = jax.device_put(host_params, self.placement.param_shardings)
+      params = distributed.put(host_params, self.placement.param_shardings)
     self.state = state_lib.create_train_state(params, self.placement.tx, self.placement.state_shardings)
     self.parked = False
 
   def restore(self, params, opt_state, step) -> None:
     # The unused version counter goes where the update expects it (the update runs under a transfer guard).
-    version = jax.device_put(jnp.int32(0), self.placement.state_shardings.policy_version)
+    version = distributed.put(np.int32(0), self.placement.state_shardings.policy_version)
     self.state = state_lib.TrainState(step=step, params=params, opt_state=opt_state, policy_version=version)
     self.parked = False
 

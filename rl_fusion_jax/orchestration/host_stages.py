@@ -7,6 +7,10 @@ rewards are already known. ``scores`` returns, for any batch, exactly what ``rew
 returns for it (the verifier is a pure function of problem and text): results computed early are
 looked up by sample id, the rest are computed on the spot. A sample's problem is the task's problem of
 its group id, as everywhere in the loop.
+
+In a run of several processes (``share``), each process decodes and scores only the samples it owns
+(``processes.Share``: sample id mod process count) and ``scores`` exchanges the results, so every
+process returns the whole batch's scores while the host work is split, not repeated.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rl_fusion_jax.orchestration import data
+from rl_fusion_jax.orchestration import data, processes
 from rl_fusion_jax.rewards.base import Problem, Task, score_batch
 from rl_fusion_jax.tokenizer import Tokenizer
 from rl_fusion_jax.types import Rollout
@@ -26,10 +30,11 @@ from rl_fusion_jax.types import Rollout
 class VerifyStage:
   """Decode + verify of finished samples on ``workers`` threads; ``workers == 0`` scores only on demand."""
 
-  def __init__(self, task: Task, tokenizer: Tokenizer, group_size: int, workers: int = 1):
+  def __init__(self, task: Task, tokenizer: Tokenizer, group_size: int, workers: int = 1,
+               share: processes.Share = processes.Share()):
     if workers < 0:
       raise ValueError(f"VerifyStage: workers must be >= 0, got {workers}")
-    self.task, self.tokenizer, self.group_size = task, tokenizer, group_size
+    self.task, self.tokenizer, self.group_size, self.share = task, tokenizer, group_size, share
     self._pool = (concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="verify")
                   if workers else None)
     self._lock = threading.Lock()
@@ -40,14 +45,15 @@ class VerifyStage:
 
   def submit(self, rollout: Rollout, group_id_b: np.ndarray) -> None:
     """Starts scoring finished samples (host arrays) in the background; a no-op without workers."""
-    if self._pool is None or not len(rollout.sample_id_b):
+    mine = np.flatnonzero(self.share.owns(rollout.sample_id_b))
+    if self._pool is None or not len(mine):
       return
-    args = (np.array(rollout.tokens_bt), np.array(rollout.prompt_len_b), np.array(rollout.response_len_b),
-            [int(g) for g in group_id_b])
+    args = (np.array(rollout.tokens_bt[mine]), np.array(rollout.prompt_len_b[mine]),
+            np.array(rollout.response_len_b[mine]), [int(group_id_b[i]) for i in mine])
     future = self._pool.submit(self._score, *args)
     with self._lock:
-      for row, sample_id in enumerate(rollout.sample_id_b):
-        self._pending[int(sample_id)] = (future, row)
+      for row, i in enumerate(mine):
+        self._pending[int(rollout.sample_id_b[i])] = (future, row)
 
   def _score(self, tokens_bt, prompt_len_b, response_len_b, group_ids):
     start = time.perf_counter()
@@ -63,7 +69,8 @@ class VerifyStage:
     """(rewards f32[B], format_ok bool[B], correct bool[B], metrics) for ``rollout`` (host, sample-id order).
 
     ``problems``: one per group of ``group_size`` consecutive rows. Samples scored in the background are
-    taken from there (waiting for the ones still running); the others are scored here.
+    taken from there (waiting for the ones still running); the others are scored here (of several
+    processes, each scores the samples it owns and the results are exchanged).
     """
     n = len(rollout.sample_id_b)
     rewards, fmt, correct = np.zeros((n,), np.float32), np.zeros((n,), bool), np.zeros((n,), bool)
@@ -75,15 +82,19 @@ class VerifyStage:
       r, f, c = future.result()
       rewards[i], fmt[i], correct[i] = r[row], f[row], c[row]
     wait_s = time.perf_counter() - start
-    rest = [i for i in range(n) if i not in found]
+    owned = self.share.owns(rollout.sample_id_b)
+    rest = [i for i in range(n) if i not in found and owned[i]]
     if rest:
       texts = data.decode_responses(self.tokenizer, rollout.tokens_bt[rest], rollout.prompt_len_b[rest],
                                     rollout.response_len_b[rest])
       r, f, c = score_batch(self.task, [problems[i // self.group_size] for i in rest], texts)
       rewards[rest], fmt[rest], correct[rest] = r, f, c
+    rewards, fmt, correct = processes.gather_rows("verify", self.share, rollout.sample_id_b,
+                                                    (rewards, fmt, correct))
     with self._lock:
       busy, self._busy_s = self._busy_s, 0.0
-    return rewards, fmt, correct, {"verify/early_frac": len(found) / max(n, 1), "verify/wait_s": wait_s,
+    return rewards, fmt, correct, {"verify/early_frac": len(found) / max(int(owned.sum()), 1),
+                                   "verify/wait_s": wait_s,
                                    "verify/background_s": busy}
 
   def forget(self, sample_ids) -> None:

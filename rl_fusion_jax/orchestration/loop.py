@@ -20,13 +20,14 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
+from rl_fusion_jax import distributed
 from rl_fusion_jax import metrics as metrics_lib
 from rl_fusion_jax import models
 from rl_fusion_jax.models import value_model
 from rl_fusion_jax.checkpointing import abstract_like
 from rl_fusion_jax.config import ExperimentConfig
 from rl_fusion_jax.errors import ConfigError
-from rl_fusion_jax.orchestration import phases, resume, stalesync
+from rl_fusion_jax.orchestration import phases, processes, resume, stalesync
 from rl_fusion_jax.orchestration.guard import DivergenceGuard
 from rl_fusion_jax.orchestration.programs import Placement, Programs, make_placement
 from rl_fusion_jax.orchestration.setup import Setup, validate, write_json_atomic
@@ -105,6 +106,7 @@ def _validate(cfg: ExperimentConfig, workdir: str, tensorboard: bool, overrides:
   if tensorboard and importlib.util.find_spec("tensorboardX") is None:
     raise ConfigError("--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'")
   resume.check_workdir(workdir)
+  distributed.check_same_config(resume.plain_config(cfg))
   return setup, resume.inspect(workdir, cfg, overrides)
 
 
@@ -123,31 +125,33 @@ def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False,
   placement = make_placement(cfg)
   restored = resume.restore(prior, _targets(cfg, placement))
 
-  # 3. Write the workdir, build the programs.
-  resume.prepare(prior, cfg, setup.tokenizer, restored)
+  # 3. Write the workdir (process 0 writes every file but the checkpoints), build the programs.
+  distributed.on_writer("prepare", resume.prepare, prior, cfg, setup.tokenizer, restored)
   programs = Programs(setup, placement)
+  programs.verify.share = processes.Share.of_run()   # host scoring split by sample over the processes
   d = programs.deployment
   logging.info("mode %s: rollout mesh %s, training mesh %s (%s)", d.mode, dict(d.rollout_mesh.shape),
                dict(d.train_mesh.shape), jax.devices()[0].platform)
-  timeline = Timeline(timeline_path(workdir))
-  for name, ids in d.groups.items():
-    timeline.add_group(name, ids)
+  timeline = processes.ProcessTimeline(timeline_path(workdir), d.groups)
   rl_ckpt, warm_ckpt = resume.checkpointers(workdir, cfg.run.keep_checkpoints, create=True)
   for c in (rl_ckpt, warm_ckpt):
     if c.exists() and c.prune():
       logging.info("resume: pruned %s to the newest %d checkpoints", c.directory, c.keep)
-  writer = metrics_lib.make_writer(workdir, tensorboard)
+  writer = (metrics_lib.make_writer(workdir, tensorboard) if distributed.is_writer()
+            else metrics_lib.MultiWriter([]))
   try:   # pending asynchronous saves complete (or fail) before any error leaves run()
     summary, state = _train(setup, programs, restored, timeline, rl_ckpt, warm_ckpt, writer)
-    if export_hf:
-      models.save_hf(cfg.model.config, state.params, export_hf)
+    if export_hf:   # every process gathers the params (a collective); process 0 writes them
+      distributed.on_writer("export_hf", models.save_hf, cfg.model.config, distributed.fetch(state.params),
+                            export_hf)
       logging.info("final policy written to %s", export_hf)
+    timeline.gather()
   finally:
     rl_ckpt.close()
     warm_ckpt.close()
     writer.close()
     programs.verify.close()   # the verify stage's worker threads end with the run
-  write_json_atomic(os.path.join(workdir, "summary.json"), summary)
+  distributed.on_writer("summary", write_json_atomic, os.path.join(workdir, "summary.json"), summary)
   logging.info("accuracy before RL %.3f -> after RL %.3f", summary["accuracy_before"],
                summary["accuracy_after"])
   return summary
@@ -214,7 +218,9 @@ def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ck
       state, out = evaluate(state, step + 1)
       scalars |= {f"eval/{k}": v for k, v in out.items()}
       last_eval = {"step": step + 1, **out}
+    scalars = processes.reduce_metrics(step + 1, scalars)
     writer.write(step + 1, scalars)
+    timeline.gather()
     progress.update(step + 1, scalars)
     if step + 1 == cfg.run.steps or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
       save(step + 1)

@@ -15,9 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from rl_fusion_jax import distributed
 from rl_fusion_jax import models
 from rl_fusion_jax.algorithms import dapo
-from rl_fusion_jax.orchestration import data
+from rl_fusion_jax.orchestration import data, processes
 from rl_fusion_jax.orchestration.programs import Programs
 from rl_fusion_jax.orchestration.setup import Setup
 from rl_fusion_jax.rewards.base import pass_at_k, score_batch
@@ -36,7 +37,7 @@ def init_policy(setup: Setup, programs: Programs):
   ``cfg.policy_seed`` (``warmup.seed``, else ``run.seed``)."""
   cfg = setup.cfg
   if setup.hf_params is not None:
-    return jax.device_put(setup.hf_params, programs.param_shardings)
+    return distributed.put(setup.hf_params, programs.param_shardings)
   init = lambda k: models.init_params(cfg.model.config, k, init_std=cfg.model.init_std)
   return jax.jit(init, out_shardings=programs.param_shardings)(jax.random.key(cfg.policy_seed))
 
@@ -78,7 +79,7 @@ def warmup(setup: Setup, programs: Programs, params, *, state=None, save=None, g
     done = step + 1
     checkpoint = every and done % every == 0
     if done % 16 == 0 or done == cfg.warmup.steps or checkpoint:
-      for i, host_m in enumerate(jax.device_get(pending)):
+      for i, host_m in enumerate(distributed.fetch(pending)):
         if guard is not None:
           guard.check(done - len(pending) + i + 1, host_m)
       logging.info("warm-up step %d/%d loss %.4f", done, cfg.warmup.steps, float(pending[-1]["loss"]))
@@ -137,29 +138,34 @@ def evaluate(setup: Setup, programs: Programs, gen_params, round_index: int) -> 
   n = t.eval_problems
   problems = [setup.eval_task.problem(i) for i in range(n)]
   correct, fmt, rewards = _generate_and_score(setup, programs.eval_engine, gen_params, problems, 1,
-                                              round_index * n)
+                                              round_index * n, programs.verify.share)
   out = {"accuracy": float(np.mean(correct)), "format_rate": float(np.mean(fmt)),
          "reward": float(np.mean(rewards))}
   if t.eval_samples:
     k = t.eval_samples
     correct, _, _ = _generate_and_score(setup, programs.sampled_eval_engine, gen_params, problems, k,
-                                        SAMPLED_EVAL_FIRST_ID + round_index * n * k)
+                                        SAMPLED_EVAL_FIRST_ID + round_index * n * k, programs.verify.share)
     counts = correct.reshape(n, k).sum(axis=1)
     out["pass@1"] = float(np.mean(pass_at_k(k, counts, 1)))
     out[f"pass@{t.pass_k}"] = float(np.mean(pass_at_k(k, counts, t.pass_k)))
   return out
 
 
-def _generate_and_score(setup: Setup, engine, gen_params, problems, samples: int, first_id: int):
+def _generate_and_score(setup: Setup, engine, gen_params, problems, samples: int, first_id: int,
+                        share: processes.Share):
   """(correct, format_ok, rewards) of ``samples`` responses per problem, problem-major (each response its
-  own group of one: the engines evaluating have group_size 1)."""
+  own group of one: the engines evaluating have group_size 1). Of several processes (``share``) each
+  decodes and scores the samples it owns and the results are exchanged."""
   repeated = [p for p in problems for _ in range(samples)]
   engine.add(requests(setup.tokenizer, repeated, setup.cfg.rollout.max_prompt_len, 1, first_id, first_id))
   rollout = by_sample_id(engine.run(gen_params, 0).rollout)
-  texts = data.decode_responses(setup.tokenizer, rollout.tokens_bt, rollout.prompt_len_b,
-                                rollout.response_len_b)
-  rewards, fmt, correct = score_batch(setup.eval_task, repeated, texts)
-  return np.asarray(correct, bool), np.asarray(fmt, bool), np.asarray(rewards)
+  mine = np.flatnonzero(share.owns(rollout.sample_id_b))   # of several processes: score its own samples
+  texts = data.decode_responses(setup.tokenizer, rollout.tokens_bt[mine], rollout.prompt_len_b[mine],
+                                rollout.response_len_b[mine])
+  n = len(repeated)
+  correct, fmt, rewards = np.zeros((n,), bool), np.zeros((n,), bool), np.zeros((n,), np.float32)
+  rewards[mine], fmt[mine], correct[mine] = score_batch(setup.eval_task, [repeated[i] for i in mine], texts)
+  return tuple(processes.gather_rows("evaluate", share, rollout.sample_id_b, (correct, fmt, rewards)))
 
 
 class _AuxCall:
@@ -249,7 +255,7 @@ def guarded_update(update, *args):
 def _packed_update(setup: Setup, programs: Programs, state, rollout: Rollout, batch):
   """The update on packed rows: the assembled batch is fetched, packed on the host by the samples' real
   lengths (first-fit decreasing into rows of ``seq_len``, row count bucketed) and sent shard by shard."""
-  host = jax.device_get(batch)
+  host = distributed.fetch(batch)
   lengths = np.asarray(rollout.prompt_len_b) + np.asarray(rollout.response_len_b)
   layout = packing.plan(lengths, setup.cfg.rollout.seq_len, programs.row_buckets)
   packed = packing.pack_batch(layout, tokens_bt=host.tokens_bt, mask_bt=host.mask_bt,
@@ -348,7 +354,7 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
     ref_logp = ref_call.result()
     metrics |= ref_call.metrics
     if programs.aux_mesh is not programs.mesh:
-      ref_logp = jax.device_put(ref_logp, device_rollout.logp_bt.sharding)
+      ref_logp = distributed.put(ref_logp, device_rollout.logp_bt.sharding)
   else:
     ref_logp = jnp.zeros_like(device_rollout.logp_bt)   # unused when kl_coef == 0
   ref_s = time.perf_counter() - t0
@@ -364,13 +370,14 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
     else:
       state, train_metrics, pack_stats = _packed_update(setup, programs, state, rollout, batch)
       metrics |= pack_stats
-    train_metrics, batch_stats = jax.device_get((train_metrics, batch_stats))
+    train_metrics, batch_stats = distributed.fetch((train_metrics, batch_stats))
     train_s = time.perf_counter() - t0
   if critic is not None:
     with timeline.phase("critic", group=d.train_group, step=step):
       t0 = time.perf_counter()
       critic_batch = critic_lib.CriticBatch(batch.tokens_bt, batch.mask_bt, values_bt, returns_bt)
-      metrics |= {k: float(v) for k, v in jax.device_get(guarded_update(critic.update, critic_batch)).items()}
+      critic_metrics = distributed.fetch(guarded_update(critic.update, critic_batch))
+      metrics |= {k: float(v) for k, v in critic_metrics.items()}
       metrics["critic_s"] = time.perf_counter() - t0
   with timeline.phase("publish", group=d.train_group, step=step):
     metrics |= d.publish(state.params)

@@ -69,10 +69,11 @@ class Placement:
     return self.deployment.train_param_shardings
 
 
-def make_placement(cfg: ExperimentConfig) -> Placement:
+def make_placement(cfg: ExperimentConfig, *, per_process: bool = True) -> Placement:
+  """``per_process``: sub-meshes take a share of every process's devices (``split_devices``)."""
   abstract = models.abstract_params(cfg.model.config)
   tx = state_lib.make_optimizer(cfg.optim)
-  d = make_deployment(cfg, abstract, models.param_logical_axes(cfg.model.config), tx)
+  d = make_deployment(cfg, abstract, models.param_logical_axes(cfg.model.config), tx, per_process=per_process)
   critic = critic_stage.make_critic_placement(cfg, d) if cfg.algo.uses_critic else None
   return Placement(tx, d, state_lib.state_shardings(tx, abstract, d.train_param_shardings, d.train_mesh), critic)
 

@@ -27,6 +27,7 @@ from absl import logging
 
 from rl_fusion_jax import checkpointing
 from rl_fusion_jax import config as config_lib
+from rl_fusion_jax import distributed
 from rl_fusion_jax import metrics as metrics_lib
 from rl_fusion_jax import timeline as timeline_lib
 from rl_fusion_jax.config import ExperimentConfig
@@ -206,9 +207,10 @@ def restore(prior: Prior, targets_for) -> Restored | None:
       logging.warning("resume: cannot restore %s: %s", e.path, e.reason)
       failures.append((ckpt, step, e))
       continue
-    for bad_ckpt, bad_step, e in failures:
-      dest = bad_ckpt.move_aside(bad_step, e.reason)
-      logging.warning("resume: moved the broken checkpoint %s aside to %s", e.path, dest)
+    for bad_ckpt, bad_step, e in failures:   # process 0 moves it; every process learns where
+      dest = distributed.on_writer("move_aside", bad_ckpt.move_aside, bad_step, e.reason)
+      if dest is not None:
+        logging.warning("resume: moved the broken checkpoint %s aside to %s", e.path, dest)
     logging.info("resumed from %s checkpoint %s", kind, ckpt.step_path(step))
     return Restored(kind, step, items, meta, host)
   if failures:

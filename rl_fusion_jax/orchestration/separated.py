@@ -61,6 +61,7 @@ from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from rl_fusion_jax import config as config_lib
+from rl_fusion_jax import distributed
 from rl_fusion_jax import metrics as metrics_lib
 from rl_fusion_jax import models
 from rl_fusion_jax.config import ExperimentConfig
@@ -68,7 +69,7 @@ from rl_fusion_jax.errors import ConfigError
 from rl_fusion_jax.fusion.deployment import make_deployment
 from rl_fusion_jax.orchestration import phases, resume, stalesync
 from rl_fusion_jax.orchestration.guard import DivergenceGuard
-from rl_fusion_jax.orchestration.programs import Placement, Programs
+from rl_fusion_jax.orchestration.programs import Placement, Programs, make_placement
 from rl_fusion_jax.orchestration.setup import Setup, validate, write_json_atomic
 from rl_fusion_jax.queue.distqueue import DistQueue, Packed, pack
 from rl_fusion_jax.queue.staleness import Candidate, admit
@@ -130,7 +131,7 @@ def check(cfg: ExperimentConfig, device_processes) -> None:
                       f"(devices per process: {[device_processes.count(p) for p in (0, 1)]})")
 
 
-def initialize(coordinator_address: str, process_id: int, weight_transport: str) -> None:
+def initialize(settings: distributed.DistributedConfig, weight_transport: str) -> None:
   """``jax.distributed.initialize`` for one side (before anything starts the backend).
 
   With 'kv' weights nothing crosses the processes inside a program, so CPU collectives stay in-process:
@@ -138,7 +139,7 @@ def initialize(coordinator_address: str, process_id: int, weight_transport: str)
   """
   if weight_transport == "kv":
     jax.config.update("jax_cpu_collectives_implementation", None)
-  jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=2, process_id=process_id)
+  distributed.initialize(settings)
 
 
 def check_workdir(workdir: str) -> None:
@@ -724,7 +725,7 @@ def _setup(cfg: ExperimentConfig, workdir: str, options: Options) -> Setup:
                       "(jax_cpu_collectives_implementation='gloo'); use weight_transport='kv'")
   check_workdir(workdir)
   try:
-    return validate(cfg, jax.device_count())
+    return validate(cfg, jax.device_count(), per_process=False)   # process 0: rollout, 1: training
   except ConfigError:
     raise
   except ValueError as e:
@@ -739,7 +740,8 @@ def run(cfg: ExperimentConfig, workdir: str, options: Options = Options()) -> di
   channel = Channel(options.timeout_s)
   channel.meet("checked", role)   # both checked the workdir before either writes to it
   os.makedirs(workdir, exist_ok=True)
-  programs = Programs(setup) if role == ROLLOUT else Programs(setup, _trainer_placement(cfg))
+  programs = (Programs(setup, make_placement(cfg, per_process=False)) if role == ROLLOUT
+              else Programs(setup, _trainer_placement(cfg)))
   d = programs.deployment
   group = d.rollout_group if role == ROLLOUT else d.train_group
   timeline = Timeline(os.path.join(workdir, f"timeline_{ROLES[role]}.jsonl"))

@@ -16,6 +16,7 @@ from absl import logging
 
 from rl_fusion_jax import chat, models
 from rl_fusion_jax.config import ExperimentConfig
+from rl_fusion_jax.distributed import fetch
 from rl_fusion_jax.fusion.deployment import check_rules
 from rl_fusion_jax.models import reward_model, value_model
 from rl_fusion_jax.orchestration import data
@@ -70,7 +71,7 @@ def _read_checkpoints(cfg: ExperimentConfig):
 def _to_host(params):
   """``params`` as host numpy arrays, their device buffers deleted: the run places them from the host
   straight to where they rest (``Deployment.place_aux``: host memory in ``full``)."""
-  host = jax.device_get(params)
+  host = fetch(params)
   for x in jax.tree.leaves(params):
     if isinstance(x, jax.Array):
       x.delete()
@@ -136,10 +137,11 @@ def _check_lengths(cfg: ExperimentConfig, tokenizer, tasks) -> None:
       data.encode_sft(tokenizer, problems, r.seq_len)
 
 
-def validate(cfg: ExperimentConfig, num_devices: int) -> Setup:
-  """Every check that needs no compile: devices, rules, tokenizer, tasks, prompt lengths, checkpoints."""
+def validate(cfg: ExperimentConfig, num_devices: int, *, per_process: bool = True) -> Setup:
+  """Every check that needs no compile: devices, rules, tokenizer, tasks, prompt lengths, checkpoints.
+  ``per_process``: as in ``make_deployment``."""
   cfg.check_devices(num_devices)
-  check_rules(cfg, num_devices)
+  check_rules(cfg, num_devices, per_process=per_process)
   if not (cfg.task.tokenizer or cfg.model.hf_path):
     raise ValueError("config.task.tokenizer: '' means the tokenizer in config.model.hf_path, which is empty")
   try:

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from rl_fusion_jax.orchestration import phases
+from rl_fusion_jax.orchestration import phases, processes
 from rl_fusion_jax.orchestration.programs import Programs
 from rl_fusion_jax.orchestration.setup import Setup
 from rl_fusion_jax.queue.staleness import Candidate, admit
@@ -124,7 +124,9 @@ class StaleSync:
     The device batch is built by ``queue_arrays``: one queue read per data-parallel group of this
     process's devices, each group's rows padded from their packed form on their own (no padded copy of
     the whole batch is built to be split). The host Rollout, for verification and statistics, is unpacked
-    from the same reads (in one process these are all the rows). Both are as wide as the update runs
+    from the same reads; of several processes (each holds a replica of the queue, filled alike), the rows
+    the other processes fed come from one uncounted read of this replica (``counted=False``), so the
+    queue's byte counters hold what this process fed. Both are as wide as the update runs
     (``phases.batch_width`` of the admitted samples' lengths), never ``seq_len`` when that is wider."""
     order = np.sort(np.asarray(indices, np.int64))
     lengths = self.queue.peek(order, ("prompt_len", "response_len"))
@@ -140,10 +142,11 @@ class StaleSync:
                      response_len_b=arrays["response_len"], logp_bt=arrays["logp"],
                      version_bt=arrays["version"], finished_b=arrays["finished"],
                      sample_id_b=arrays["sample_id"])
+    fed = np.concatenate([b.indices for b in reads])
+    others = np.setdiff1d(order, fed)
+    if len(others):   # fed by other processes: this replica's copy, for the host's bookkeeping only
+      reads += [self.queue.read(CONSUMER, part, counted=False) for part in _runs(others, order)]
     reads.sort(key=lambda b: int(b.indices[0]))
-    if sum(len(b) for b in reads) != len(order):
-      raise RuntimeError("StaleSync: this process's queue reads do not cover the batch (several processes "
-                         "are not supported by the StaleSync loop yet)")
     host = host_rollout(reads, width)
     return host, device
 
@@ -216,8 +219,19 @@ class StaleSync:
   # -- checkpointing ----------------------------------------------------------------------------------
 
   def state_dict(self) -> dict:
+    """The schedule's host state (every process calls it at a save; the queue's transfer counters are
+    the run's, summed over the processes)."""
+    queue = self.queue.state_dict()
+    queue["counters"] = processes.run_queue_counters(queue["counters"])
     return {"data_position": self.data_position, "counters": dict(self.counters),
-            "queue": self.queue.state_dict(), "engine": self.programs.engine.state_dict()}
+            "queue": queue, "engine": self.programs.engine.state_dict()}
+
+
+def _runs(subset: np.ndarray, order: np.ndarray) -> list[np.ndarray]:
+  """``subset`` (sorted, within ``order``) split into runs of consecutive positions of ``order``."""
+  position = np.searchsorted(order, subset)
+  breaks = np.flatnonzero(np.diff(position) != 1) + 1
+  return np.split(subset, breaks)
 
 
 def from_state(setup: Setup, programs: Programs, host: dict | None) -> StaleSync:
@@ -225,5 +239,7 @@ def from_state(setup: Setup, programs: Programs, host: dict | None) -> StaleSync
   if host is None:
     return StaleSync(setup, programs)
   programs.engine.load_state_dict(host["engine"])
-  return StaleSync(setup, programs, int(host["data_position"]), DistQueue.from_state_dict(host["queue"]),
+  queue = DistQueue.from_state_dict(host["queue"] | {"counters": processes.local_queue_counters(
+      host["queue"]["counters"])})
+  return StaleSync(setup, programs, int(host["data_position"]), queue,
                    {k: int(v) for k, v in host["counters"].items()})

@@ -260,8 +260,12 @@ class DistQueue:
       return np.array(sorted(self._ready(consumer)), np.int64)
 
   def read(self, consumer: str, indices=None, *, n: int | None = None, block: bool = False,
-           timeout: float | None = None) -> Batch:
-    """Reads ``indices`` (all ready), or the ``n`` lowest ready indices (waiting for them if ``block``)."""
+           timeout: float | None = None, counted: bool = True) -> Batch:
+    """Reads ``indices`` (all ready), or the ``n`` lowest ready indices (waiting for them if ``block``).
+
+    ``counted=False``: kept out of the byte counters. For a replica of the queue in one process of several
+    reading, for its host bookkeeping, rows another process fed to its devices (each process's counters
+    then hold what it fed, and the counters summed over processes what the run fed)."""
     with self._cond:
       self._check_consumer(consumer)
       if (indices is None) == (n is None):
@@ -270,7 +274,10 @@ class DistQueue:
         indices = self._wait_for_ready(consumer, n, block, timeout)
       indices = self._check_indices(indices)
       self._check_ready(consumer, indices)
+      saved = dict(self._counters)
       batch = self._gather(consumer, indices)
+      if not counted:
+        self._counters = saved
       self._consume(consumer, indices)
       return batch
 

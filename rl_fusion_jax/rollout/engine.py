@@ -55,6 +55,7 @@ import numpy as np
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from rl_fusion_jax.distributed import fetch, put
 from rl_fusion_jax.rollout import slots
 from rl_fusion_jax.rollout.decode import GenerateSpec
 from rl_fusion_jax.sharding.mesh import BATCH_AXES, batch_shards, replicated
@@ -276,7 +277,7 @@ class Engine:
     """
     target = self._check_target(target_samples, target_groups, finish_groups)
     t0, stats = time.perf_counter(), collections.Counter()
-    version = jax.device_put(jnp.asarray(policy_version, jnp.int32), self.programs.replicated)
+    version = put(np.asarray(policy_version, np.int32), self.programs.replicated)
     with jax.transfer_guard_device_to_host("disallow"):   # explicit fetches only (see the module docstring)
       while True:
         self._collect(stats)
@@ -387,7 +388,7 @@ class Engine:
     ``np.savez(path, **state)`` stores it as is.
     """
     slot_f = [s for s, r in enumerate(self._occupant) if r is not None]
-    host = jax.device_get(self._state) if slot_f else None   # the in-flight rows: fetched only here
+    host = fetch(self._state) if slot_f else None   # the in-flight rows: fetched only here
     done = sorted(self._finished, key=lambda f: f.order)
     state = {"format": _STATE_FORMAT, "chunks": self._chunks,
              **{f"config.{k}": v for k, v in _fingerprint(self.cfg).items()},
@@ -448,7 +449,7 @@ class Engine:
     slot_f = np.asarray(state["flight.slot"], np.int64)
     if slot_f.size and slot_f.max() >= self.cfg.num_slots:
       slot_f = np.arange(slot_f.size)
-    host = jax.tree.map(np.array, jax.device_get(self._state))       # writable copies
+    host = jax.tree.map(np.array, fetch(self._state))       # writable copies
     for name in _SLOT_FIELDS:
       getattr(host, name)[slot_f] = state[f"flight.{name}"]
     host.done_s[slot_f] = False
@@ -459,7 +460,7 @@ class Engine:
     self._min_version_s = [
         _min_version(host.version_st[s], host.prompt_len_s[s], host.response_len_s[s]) if r is not None else None
         for s, r in enumerate(self._occupant)]
-    self._state = jax.device_put(host, jax.tree.map(lambda x: x.sharding, self._state))
+    self._state = put(host, jax.tree.map(lambda x: x.sharding, self._state))
 
   # -- slots: the host side of slots.py's programs -------------------------------------------------
 
@@ -484,7 +485,7 @@ class Engine:
     """Reads every gathered batch of rows (one transfer each) into its finished entries, then hands each
     batch to ``on_finished``."""
     for entries, (packed, positions) in self._unread:
-      for f, row in zip(entries, _unpack_rows(jax.device_get(packed)[positions], self.cfg.spec.seq_len)):
+      for f, row in zip(entries, _unpack_rows(fetch(packed)[positions], self.cfg.spec.seq_len)):
         f.row = row
       if self.on_finished is not None:
         self.on_finished(_stack([f.row for f in entries], self.cfg.spec.seq_len),
@@ -494,7 +495,7 @@ class Engine:
   def _fetch_rows(self, slot_k: list[int]) -> list[dict]:
     """Host rows (``_ROW_FIELDS``) of slots ``slot_k`` now, in that order (gather, then one transfer)."""
     packed, positions = self._gather_rows(slot_k)
-    return _unpack_rows(jax.device_get(packed)[positions], self.cfg.spec.seq_len)
+    return _unpack_rows(fetch(packed)[positions], self.cfg.spec.seq_len)
 
   def _gather_rows(self, slot_k: list[int]) -> tuple[jax.Array, list[int]]:
     """Dispatches the gather of slots ``slot_k`` (non-empty) -> (packed rows on the device, the position
@@ -555,7 +556,7 @@ class Engine:
       prompt_len_r[i] = len(request.prompt)
       prompt_rp[i, :len(request.prompt)] = request.prompt
     is_new_r = np.full((rows,), is_new)
-    inputs = jax.device_put((slot_r, is_new_r, prompt_rp, prompt_len_r, sample_id_r, forced_r),
+    inputs = put((slot_r, is_new_r, prompt_rp, prompt_len_r, sample_id_r, forced_r),
                             self.programs.row_shardings)
     self._state, self._cache = self.programs.prefill[width](params, self._cache, self._state, *inputs)
     stats["prefill_calls"] += 1
@@ -571,12 +572,12 @@ class Engine:
     bound = self._target_bound(target) if self.cfg.early_exit else None
     if bound is not None:
       min_done = min(min_done, bound)     # stop as soon as the target can be met
-    scalars = jax.device_put((np.int32(self.cfg.chunk_steps), np.int32(min_done)),
+    scalars = put((np.int32(self.cfg.chunk_steps), np.int32(min_done)),
                              self.programs.replicated)
     self._state, self._cache, steps, tokens = self.programs.decode(
         params, self._cache, self._state, *scalars, self._rng, version)
     self._read_rows()     # rows gathered before this chunk: ready while it decodes
-    done_s, response_len_s, steps, tokens = jax.device_get(
+    done_s, response_len_s, steps, tokens = fetch(
         (self._state.done_s, self._state.response_len_s, steps, tokens))
     for s in np.flatnonzero(response_len_s > self._response_len_s):   # slots that sampled this chunk
       old = self._min_version_s[s]

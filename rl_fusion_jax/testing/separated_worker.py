@@ -71,8 +71,9 @@ def main(port: int, process: str, workdir: str, opts: dict) -> None:
     from rl_fusion_jax.orchestration import loop
     summary = loop.run(experiment(opts, sync=True), workdir)
   else:
+    from rl_fusion_jax.distributed import DistributedConfig
     from rl_fusion_jax.orchestration import separated
-    separated.initialize(f"127.0.0.1:{port}", int(process), opts["transport"])
+    separated.initialize(DistributedConfig(f"127.0.0.1:{port}", 2, int(process)), opts["transport"])
     write_cache_from_every_process()
     options = separated.Options(reproducible=opts["schedule"] == "reproducible",
                                 weight_transport=opts["transport"], timeout_s=180.0)

@@ -1,0 +1,193 @@
+"""The run across processes: host work split by sample, one metric record per step, a timeline lane each.
+
+Every process runs the same loop (``orchestration/loop.py``); these are the places where processes differ
+or meet (through ``distributed.exchange``, the coordination service's key-value store: host bytes, no
+device work), each a no-op in a one-process run:
+  * ``Share`` / ``gather_rows``: each process decodes and scores the samples it owns, then all exchange
+    the results;
+  * ``reduce_metrics``: the step's metrics of every process -> the run's (queue transfer counters summed,
+    own shares averaged, times the slowest process's);
+  * ``run_queue_counters`` / ``local_queue_counters``: the queue counters a checkpoint saves are the run's;
+  * ``ProcessTimeline``: process 0 writes the timeline, with a lane per process.
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from rl_fusion_jax.distributed import client, exchange, is_writer, process_count, process_index
+from rl_fusion_jax.timeline import Timeline
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+  """Which samples this process owns for host work: ``sample_id % count == index`` (every sample exactly
+  one owner; a group's consecutive ids spread over the processes). ``Share()`` (one process) owns every sample."""
+  index: int = 0
+  count: int = 1
+
+  def owns(self, sample_ids) -> np.ndarray:
+    return np.asarray(sample_ids, np.int64) % self.count == self.index
+
+  @classmethod
+  def of_run(cls) -> "Share":
+    return cls(process_index(), process_count())
+
+
+def _encode(arrays) -> str:
+  return json.dumps([[a.dtype.str, list(a.shape), base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()]
+                     for a in arrays])
+
+
+def _decode(text: str) -> list[np.ndarray]:
+  return [np.frombuffer(base64.b64decode(b), np.dtype(d)).reshape(s) for d, s, b in json.loads(text)]
+
+
+def gather_rows(name: str, share: Share, sample_ids, arrays, timeout_s: int = 600) -> list[np.ndarray]:
+  """Rows (one per sample of ``sample_ids``) computed by their owners -> the whole arrays on every process.
+
+  Each process passes ``arrays`` with the rows of the samples it owns filled in (the other rows anything);
+  it gets back the arrays with every process's rows in place, the same on every process. Travels through
+  the coordination service's key-value store (host bytes, no device work); every process calls it with
+  the same ``name`` in the same order.
+  """
+  arrays = [np.asarray(a) for a in arrays]
+  if share.count == 1:
+    return arrays
+  mine = share.owns(sample_ids)
+  texts = exchange(f"rows/{name}", _encode([a[mine] for a in arrays]), timeout_s)
+  out = [np.array(a) for a in arrays]
+  for p, text in enumerate(texts):
+    if p != share.index:
+      theirs = Share(p, share.count).owns(sample_ids)
+      for o, g in zip(out, _decode(text)):
+        o[theirs] = g
+  return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Metrics: one record per step for the whole run.
+# ----------------------------------------------------------------------------------------------------
+
+# What each process counts for itself and the run sums: the queue's transfer counters (each process's
+# replica counts the rows it fed to its devices).
+QUEUE_COUNTERS = ("bytes_", "token_rows_bytes")
+SUMMED = tuple(f"queue/{c}" for c in QUEUE_COUNTERS)
+# Each process's own share of its host work (mean over processes).
+AVERAGED = ("verify/early_frac",)
+
+
+def is_timing(key: str) -> bool:
+  """Whether a metric measures time (and so differs between runs and processes): ``*_s``, ``*seconds``,
+  ``*_per_s``. Every other metric of a run is a function of its config and seed."""
+  return key.endswith(("_s", "seconds")) or "_per_s" in key
+
+
+def reduce_metrics(step: int, scalars: dict[str, float]) -> dict[str, float]:
+  """One step's metrics of every process -> the run's (``combine``). Every process calls it once per
+  recorded step, and every process gets the run's metrics."""
+  if process_count() == 1:
+    return dict(scalars)
+  records = [json.loads(t) for t in exchange("metrics", json.dumps({k: float(v) for k, v in scalars.items()}))]
+  out, differing = combine(records)
+  if differing:
+    from absl import logging  # pylint: disable=g-import-not-at-top
+    logging.warning("metrics differ between processes at step %d (taken from process 0): %s", step,
+                    {k: [r.get(k) for r in records] for k in differing})
+  return out
+
+
+def run_queue_counters(counters: dict[str, float]) -> dict[str, float]:
+  """A queue replica's counters with its transfer counters replaced by the run's (summed over the
+  processes; every process calls it at the same point). What a checkpoint saves; on restore only process
+  0 keeps them (``local_queue_counters``), so the sums stay the run's."""
+  if process_count() == 1:
+    return dict(counters)
+  mine = {k: float(v) for k, v in counters.items() if k.startswith(QUEUE_COUNTERS)}
+  records = [json.loads(t) for t in exchange("queue_counters", json.dumps(mine))]
+  return {**counters, **{k: float(sum(r.get(k, 0.0) for r in records)) for k in mine}}
+
+
+def local_queue_counters(counters: dict[str, float]) -> dict[str, float]:
+  """Restored run counters -> this process's share: all of them on process 0, no transfers elsewhere."""
+  if process_index() == 0:
+    return dict(counters)
+  return {k: (0.0 if k.startswith(QUEUE_COUNTERS) else v) for k, v in counters.items()}
+
+
+def combine(records: list[dict[str, float]]) -> tuple[dict[str, float], list[str]]:
+  """Per-process metric records -> (the run's record, keys that should agree but differ).
+
+  The queue's transfer counters are summed (each process counts the rows it fed), own shares of host
+  work averaged, times are the slowest process's (max); every other metric is computed from the same
+  data on every process and taken from process 0 (a difference means the processes diverged).
+  """
+  out, differing = {}, []
+  for key, value in records[0].items():
+    values = [r.get(key, value) for r in records]
+    if key.startswith(SUMMED):
+      out[key] = float(sum(values))
+    elif key.startswith(AVERAGED):
+      out[key] = float(np.mean(values))
+    elif is_timing(key):
+      out[key] = float(max(values))
+    else:
+      out[key] = value
+      if any(v != value and not (math.isnan(v) and math.isnan(value)) for v in values):
+        differing.append(key)
+  return out, differing
+
+
+# ----------------------------------------------------------------------------------------------------
+# The timeline.
+# ----------------------------------------------------------------------------------------------------
+
+class ProcessTimeline(Timeline):
+  """The run's timeline with a lane per process: process 0 appends to the run's file; every other
+  process records in memory and sends what it recorded to process 0 at each ``gather()`` (called by
+  every process at the same points: once per step), where it lands as group ``<group>@p<N>`` with that
+  process's devices of the group. Times are aligned on the wall clock (each process sends the Unix time
+  of its timeline's zero once), so lanes of processes on one machine line up exactly.
+  """
+
+  def __init__(self, path: str, groups: dict[str, Any]):
+    super().__init__(path if is_writer() else None)
+    for name, ids in groups.items():
+      self.add_group(name, ids)
+    self._groups, self._sent, self._rounds = dict(groups), 0, 0
+    self._shift = [0.0]
+    if process_count() > 1:
+      zeros = exchange("timeline/zero", repr(time.time() - self.now()))
+      self._shift = [float(z) - float(zeros[0]) for z in zeros]
+
+  def _lane(self, group: str, process: int) -> str:
+    import jax  # pylint: disable=g-import-not-at-top
+    name = f"{group}@p{process}"
+    if name not in self.groups:
+      ids = list(self._groups.get(group, ()))
+      on_device = {d.id: d.process_index for d in jax.devices()}
+      local = [i for i in ids if on_device.get(i) == process]
+      self.add_group(name, local or ids)
+    return name
+
+  def gather(self) -> None:
+    """Moves the phases other processes recorded since the last call into process 0's file."""
+    if process_count() == 1:
+      return
+    kv, me, key = client(), process_index(), f"rlfj/timeline/{self._rounds}"
+    self._rounds += 1
+    if me:
+      with self._lock:
+        new, self._sent = self.intervals[self._sent:], len(self.intervals)
+      kv.key_value_set(f"{key}/{me}", json.dumps([dataclasses.astuple(i) for i in new]))
+      return
+    for p in range(1, process_count()):
+      text = kv.blocking_key_value_get(f"{key}/{p}", 600_000)
+      kv.key_value_delete(f"{key}/{p}")
+      for name, group, step, start, end in json.loads(text):
+        self.record(name, start + self._shift[p], end + self._shift[p], group=self._lane(group, p), step=step)

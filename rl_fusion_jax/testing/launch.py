@@ -1,0 +1,79 @@
+"""Starting an experiment binary as several local processes joined by ``jax.distributed`` (tests, benchmarks).
+
+``start`` runs ``experiments/<binary>`` once per process with the standard settings (README, "Multi-host
+runs"): the same command line plus ``--coordinator_address=127.0.0.1:PORT --num_processes=N
+--process_id=i``, each process with ``devices`` virtual CPU devices. Output goes to files, never pipes:
+a process blocked on a full pipe would stall the others inside a collective.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from rl_fusion_jax.orchestration.processes import is_timing
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Processes:
+  """The processes of one run, and their logs (``logs[i]``: process i's stdout and stderr)."""
+  procs: list[subprocess.Popen]
+  logs: list[str]
+
+  def wait(self, timeout: float) -> list[int]:
+    """Exit codes; kills every process still running after ``timeout`` seconds (then raises)."""
+    deadline = time.monotonic() + timeout
+    try:
+      return [p.wait(timeout=max(deadline - time.monotonic(), 0.1)) for p in self.procs]
+    except subprocess.TimeoutExpired:
+      self.kill()
+      raise
+
+  def kill(self, index: int | None = None) -> None:
+    for i, p in enumerate(self.procs):
+      if (index is None or i == index) and p.poll() is None:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+
+  def log(self, index: int) -> str:
+    with open(self.logs[index], errors="replace") as f:
+      return f.read()
+
+
+def start(binary: str, args: list[str], *, processes: int, devices: int, log_dir: str,
+          coordinator: bool = True, extra: dict[int, list[str]] | None = None,
+          env: dict[str, str] | None = None) -> Processes:
+  """``processes`` copies of ``experiments/<binary> args`` joined on a fresh local port (``coordinator``
+  False: no distributed settings at all, a plain one-process run); ``extra[i]``: more arguments for
+  process i (e.g. a different config, to test the refusal)."""
+  os.makedirs(log_dir, exist_ok=True)
+  base = {k: v for k, v in (env or os.environ).items() if k != "XLA_FLAGS"}
+  base.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+              PYTHONPATH=ROOT + os.pathsep + base.get("PYTHONPATH", ""))
+  port = free_port()
+  procs, logs = [], []
+  for i in range(processes):
+    cmd = [sys.executable, os.path.join(ROOT, "experiments", binary), *args, *(extra or {}).get(i, [])]
+    if coordinator:
+      cmd += [f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={processes}", f"--process_id={i}"]
+    logs.append(os.path.join(log_dir, f"process{i}.log"))
+    with open(logs[-1], "w") as out:
+      procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=base, cwd=ROOT))
+  return Processes(procs, logs)
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+  """Metric rows without their timing entries."""
+  return [{k: v for k, v in row.items() if not is_timing(k)} for row in rows]

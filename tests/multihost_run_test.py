@@ -1,0 +1,164 @@
+"""The main binary as 2 local processes x 2 CPU devices (jax.distributed on 127.0.0.1), end to end.
+
+Each run is compared with the same config as 1 process x 4 devices joined to its own coordinator
+(``--num_processes=1``): the same runtime, so the same collectives (gloo), so the reductions sum in the
+same order and every metric but the timings must be equal, bit for bit. (A plain one-process run uses
+XLA's in-process collectives, which sum in another order: float rounding apart, then sampling apart.)
+
+Marked ``multihost`` (README's test command runs this suite after the default one).
+"""
+import json
+import os
+import time
+
+import pytest
+
+from rl_fusion_jax.testing import launch
+
+pytestmark = pytest.mark.multihost
+
+CONFIG = os.path.join(launch.ROOT, "experiments", "configs", "arithmetic.py")
+CACHE = os.environ.get("RLFJ_TEST_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rl_fusion_jax_tests"))
+# The main job's config, a few steps: 8 warm-up steps, 16 held-out problems, a checkpoint every 2 steps.
+QUICK = ["--config.warmup.steps=8", "--config.warmup.checkpoint_every=0", "--config.task.eval_problems=16",
+         "--config.task.eval_samples=0", "--config.run.eval_every=0", "--config.run.checkpoint_every=2",
+         f"--compilation_cache={CACHE}"]
+RUN_TIMEOUT = 300
+
+
+def _args(workdir, variant="", steps=4, extra=()):
+  return [f"--config={CONFIG}{variant}", f"--workdir={workdir}", f"--config.run.steps={steps}", *QUICK, *extra]
+
+
+def _run(tmp_path, name, processes, devices, **kwargs) -> str:
+  """Runs to the end; returns the workdir. Fails with the processes' log tails when one fails."""
+  workdir = str(tmp_path / name)
+  run = launch.start("grpo_main.py", _args(workdir, **kwargs), processes=processes, devices=devices,
+                     log_dir=str(tmp_path / f"{name}_logs"))
+  codes = run.wait(RUN_TIMEOUT)
+  assert codes == [0] * processes, "\n".join(run.log(i)[-3000:] for i in range(processes))
+  return workdir
+
+
+def _metrics(workdir) -> list[dict]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def _assert_same_metrics(a: str, b: str, run_ends=()):
+  """Equal metric rows, timings aside; at ``run_ends`` (steps where b's run ended and was resumed: a run
+  evaluates at its last step) b's row also holds that evaluation."""
+  rows_a, rows_b = launch.comparable(_metrics(a)), launch.comparable(_metrics(b))
+  assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b]
+  for ra, rb in zip(rows_a, rows_b):
+    if rb["step"] in run_ends:
+      rb = {k: v for k, v in rb.items() if not k.startswith("eval/")}
+    assert ra == rb, {k: (ra.get(k), rb.get(k)) for k in set(ra) | set(rb) if ra.get(k) != rb.get(k)}
+
+
+def test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics(tmp_path):
+  steps = 8
+  reference = _run(tmp_path, "one", 1, 4, steps=steps)
+
+  # Two processes; process 1 is killed once step 3 is recorded (after the checkpoint of step 2).
+  workdir = str(tmp_path / "two")
+  args = _args(workdir, steps=steps)
+  run = launch.start("grpo_main.py", args, processes=2, devices=2, log_dir=str(tmp_path / "two_logs"))
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.monotonic() + RUN_TIMEOUT
+  while not (os.path.exists(metrics) and any(json.loads(l)["step"] >= 3 for l in open(metrics) if l.strip())):
+    assert time.monotonic() < deadline and run.procs[0].poll() is None, run.log(0)[-3000:]
+    time.sleep(0.02)
+  run.kill(1)
+  killed_at = time.monotonic()
+  code = run.wait(120)[0]
+  waited = time.monotonic() - killed_at
+  log = run.log(0)
+  assert code != 0
+  assert waited < 60, waited           # the heartbeat timeout is 10 s: no hang
+  assert "another task died" in log and "heartbeat" in log, log[-3000:]
+  done = [json.loads(l)["step"] for l in open(metrics) if l.strip()]
+  assert max(done) < steps, "the run ended before the kill; the test needs a slower step"
+
+  # The same two commands again: resumed from the last checkpoint, equal to the uninterrupted run.
+  run = launch.start("grpo_main.py", args, processes=2, devices=2, log_dir=str(tmp_path / "resume_logs"))
+  codes = run.wait(RUN_TIMEOUT)
+  assert codes == [0, 0], "\n".join(run.log(i)[-3000:] for i in range(2))
+  assert "resumed from rl checkpoint" in run.log(0)
+  _assert_same_metrics(reference, workdir)
+  summary, ref_summary = (json.load(open(os.path.join(d, "summary.json"))) for d in (workdir, reference))
+  assert summary == ref_summary
+  # Process 0 wrote every file; the timeline has a lane for process 1's phases.
+  names = sorted(os.listdir(workdir))
+  assert not [n for n in names if n.endswith(".tmp")], names
+  groups = [json.loads(l)["name"] for l in open(os.path.join(workdir, "timeline.jsonl"))
+            if '"kind": "group"' in l]
+  assert "all" in groups and "all@p1" in groups, groups
+
+
+def test_stalesync_across_processes_equals_one_process_also_resumed_on_another_count(tmp_path):
+  """StaleSync (s = 1, half the groups per update): each process feeds its devices' rows from its own
+  queue replica; the run's queue counters are the processes' sums, equal to one process reading all.
+  The 2-process run stops after its checkpoint at step 2 and continues as 1 process x 4 devices from it
+  (queue, in-flight samples and counters restored): still equal."""
+  one = _run(tmp_path, "one", 1, 4, variant=":stalesync", steps=4)
+  two = _run(tmp_path, "two", 2, 2, variant=":stalesync", steps=2)
+  _run(tmp_path, "two", 1, 4, variant=":stalesync", steps=4)
+  _assert_same_metrics(one, two, run_ends=(2,))
+  assert _metrics(two)[-1]["queue/bytes_read_tokens"] > 0
+
+
+@pytest.mark.parametrize("mode", ["full", "separated", "hybrid"])
+def test_deployment_modes_across_processes_equal_one_process(tmp_path, mode):
+  """Every sub-mesh takes the same share of each process's devices (hybrid: one aux device each)."""
+  extra = [f"--config.fusion.mode={mode}"] + (["--config.fusion.aux_devices=2"] if mode == "hybrid" else [])
+  one = _run(tmp_path, "one", 1, 4, variant=":kl", steps=2, extra=extra)
+  two = _run(tmp_path, "two", 2, 2, variant=":kl", steps=2, extra=extra)
+  _assert_same_metrics(one, two)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input: a clear error on every process, nothing written.
+
+
+def _refused(tmp_path, processes, devices, extra_args=(), extra=None, timeout=120) -> list[str]:
+  workdir = tmp_path / "run"
+  run = launch.start("grpo_main.py", _args(str(workdir), extra=extra_args), processes=processes,
+                     devices=devices, log_dir=str(tmp_path / "logs"), extra=extra)
+  codes = run.wait(timeout)
+  logs = [run.log(i) for i in range(processes)]
+  assert all(c == 1 for c in codes), (codes, [l[-2000:] for l in logs])
+  assert not workdir.exists()
+  return [next(line for line in log.splitlines() if line.startswith("error: ")) for log in logs]
+
+
+def test_processes_with_different_configs_are_refused(tmp_path):
+  errors = _refused(tmp_path, 2, 2, extra={1: ["--config.run.seed=1"]})
+  assert all("different configs" in e and "process 1" in e for e in errors), errors
+
+
+def test_mesh_that_does_not_divide_the_global_devices_is_refused(tmp_path):
+  errors = _refused(tmp_path, 2, 2, extra_args=["--config.mesh.data=3"])
+  assert all("config.mesh" in e and "4 devices" in e for e in errors), errors
+
+
+def test_unreachable_coordinator_is_refused(tmp_path):
+  """Process 1 of 2 alone: nobody serves the coordinator's port."""
+  workdir = tmp_path / "run"
+  port = launch.free_port()
+  run = launch.start("grpo_main.py", _args(str(workdir)) + ["--distributed_timeout_s=3"], processes=1,
+                     devices=2, log_dir=str(tmp_path / "logs"), coordinator=False,
+                     extra={0: [f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", "--process_id=1"]})
+  started = time.monotonic()
+  assert run.wait(120) == [1], run.log(0)[-3000:]
+  assert time.monotonic() - started < 60
+  assert "nothing answers there within --distributed_timeout_s=3" in run.log(0), run.log(0)[-3000:]
+  assert not workdir.exists()
+
+
+def test_process_id_outside_the_process_count_is_refused(tmp_path):
+  run = launch.start("grpo_main.py", _args(str(tmp_path / "run")), processes=1, devices=2,
+                     log_dir=str(tmp_path / "logs"), coordinator=False,
+                     extra={0: ["--coordinator_address=127.0.0.1:1", "--num_processes=2", "--process_id=2"]})
+  assert run.wait(120) == [1]
+  assert "error: --process_id=2 is not below --num_processes=2" in run.log(0)
