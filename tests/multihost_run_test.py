@@ -162,3 +162,18 @@ def test_process_id_outside_the_process_count_is_refused(tmp_path):
                      extra={0: ["--coordinator_address=127.0.0.1:1", "--num_processes=2", "--process_id=2"]})
   assert run.wait(120) == [1]
   assert "error: --process_id=2 is not below --num_processes=2" in run.log(0)
+
+
+def test_separated_main_sides_start_as_two_commands(tmp_path):
+  """The one-process-per-side schedule started with the standard settings, one command per side (as on
+  two hosts): process 0 generates, process 1 trains, both return and process 0 writes the summary."""
+  workdir = tmp_path / "run"
+  config = os.path.join(launch.ROOT, "experiments", "configs", "tiny_grpo.py")
+  args = [f"--config={config}", f"--workdir={workdir}", "--config.fusion.mode=separated",
+          "--config.stalesync.enabled=True", "--config.stalesync.max_staleness=1", "--config.run.steps=2",
+          f"--compilation_cache={CACHE}"]
+  run = launch.start("separated_main.py", args, processes=2, devices=1, log_dir=str(tmp_path / "logs"))
+  assert run.wait(RUN_TIMEOUT) == [0, 0], "\n".join(run.log(i)[-3000:] for i in range(2))
+  summary = json.load(open(workdir / "summary.json"))
+  assert summary["mode"] == "separated_async" and len(summary["groups"]["trained"]) > 0
+  assert "both sides busy" in run.log(0)

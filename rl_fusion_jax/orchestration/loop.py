@@ -8,6 +8,11 @@ Sections:
   4. warm up (SFT, checkpointed) and evaluate the starting policy, unless resumed past that;
   5. the RL loop (metrics and timeline every step, the divergence guard, checkpoints every N steps);
   6. summary (the last step's evaluation is the final one: it runs once).
+
+Of several processes (README, "Multi-host runs") every process runs all of this on its own devices:
+process 0 alone writes the workdir's files (``distributed.on_writer``; checkpoints are collective),
+each step's metrics are reduced across processes (``processes.reduce_metrics``) and the other processes'
+timeline phases are gathered into process 0's file (``ProcessTimeline.gather``).
 """
 from __future__ import annotations
 
