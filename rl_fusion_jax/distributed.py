@@ -94,7 +94,12 @@ class DistributedConfig:
     """Whether this process is part of a multi-process run (settings given, or a cluster detected)."""
     if self.explicit:   # one process with a coordinator: the same runtime and collectives (gloo on CPU)
       return self.num_processes != 1 or bool(self.coordinator_address)
-    return any(k in os.environ for k in _CLUSTER_ENV) and int(os.environ.get("SLURM_NTASKS", "2")) > 1
+    return _on_cluster()
+
+
+def _on_cluster() -> bool:
+  """Whether a scheduler JAX reads the settings from runs this process (SLURM with more than one task)."""
+  return any(k in os.environ for k in _CLUSTER_ENV) and int(os.environ.get("SLURM_NTASKS", "2")) > 1
 
 
 def initialize(cfg: DistributedConfig) -> None:
@@ -103,7 +108,7 @@ def initialize(cfg: DistributedConfig) -> None:
   raises ConfigError naming the settings."""
   if not cfg.wanted:
     return
-  if cfg.explicit:
+  if cfg.explicit and not _on_cluster():   # on a scheduler, JAX fills in what is not set
     missing = [f"--{k} (or {_ENV[k]})" for k, unset in (("coordinator_address", ""), ("num_processes", 0),
                                                         ("process_id", -1)) if getattr(cfg, k) == unset]
     if missing:
@@ -120,9 +125,10 @@ def initialize(cfg: DistributedConfig) -> None:
     jax.distributed.initialize(**kwargs)
   except Exception as e:  # the runtime's errors are long gRPC status texts: keep its first line
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    process = cfg.process_id if cfg.process_id >= 0 else "auto"
     raise ConfigError(
         f"jax.distributed.initialize(coordinator_address={cfg.coordinator_address or 'auto'!r}, "
-        f"num_processes={cfg.num_processes or 'auto'}, process_id={cfg.process_id if cfg.process_id >= 0 else 'auto'}) "
+        f"num_processes={cfg.num_processes or 'auto'}, process_id={process}) "
         f"failed within --distributed_timeout_s={cfg.timeout_s}: {first}") from e
 
 

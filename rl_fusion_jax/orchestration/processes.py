@@ -24,10 +24,11 @@ import numpy as np
 from rl_fusion_jax.distributed import client, exchange, is_writer, process_count, process_index
 from rl_fusion_jax.timeline import Timeline
 
+
 @dataclasses.dataclass(frozen=True)
 class Share:
   """Which samples this process owns for host work: ``sample_id % count == index`` (every sample exactly
-  one owner; a group's consecutive ids spread over the processes). ``Share()`` (one process) owns every sample."""
+  one owner; a group's consecutive ids spread over the processes). ``Share()`` (one process) owns all."""
   index: int = 0
   count: int = 1
 
@@ -41,7 +42,7 @@ class Share:
 
 def _encode(arrays) -> str:
   return json.dumps([[a.dtype.str, list(a.shape), base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()]
-                     for a in arrays])
+                     for a in arrays])   # exact: dtype, shape and bytes
 
 
 def _decode(text: str) -> list[np.ndarray]:
