@@ -13,8 +13,8 @@ Settings, each a flag of the binaries or the environment variable beside it (fla
 Under SLURM (more than one task), Open MPI or on Cloud TPU, none needs setting: JAX reads them from the
 scheduler (``jax.distributed.initialize()``'s own detection). With none set and no such scheduler, the
 run is one process and nothing is initialised. One process with a coordinator address joins the runtime
-too: its collectives are then the multi-process ones (gloo on CPU), the reference a multi-process run
-equals bit for bit.
+too: its collectives are then the multi-process ones (gloo on CPU), the reference a short multi-process
+run equals bit for bit (tests/multihost_run_test.py; long runs drift apart by float rounding).
 
 Also here: the key-value ``exchange`` and ``barrier`` between processes, ``on_writer`` (what process 0
 does alone, its failure raised everywhere), ``fetch`` / ``put`` (``device_get`` / ``device_put`` that
