@@ -16,7 +16,7 @@ run is one process and nothing is initialised. One process with a coordinator ad
 too: its collectives are then the multi-process ones (gloo on CPU), the reference a short multi-process
 run equals bit for bit (tests/multihost_run_test.py; long runs drift apart by float rounding).
 
-Also here: the key-value ``exchange`` and ``barrier`` between processes, ``on_writer`` (what process 0
+Also here: the key-value ``exchange`` between processes, ``on_writer`` (what process 0
 does alone, its failure raised everywhere), ``fetch`` / ``put`` (``device_get`` / ``device_put`` that
 work where arrays span processes). What a run does with them (host work split by sample, metrics
 reduced, the timeline's lanes): ``orchestration/processes.py``. This module never writes a file: the
@@ -216,13 +216,6 @@ def fetch(tree):
                       else jax.device_get(x), tree)
 
 
-def barrier(name: str, timeout_s: int = 600) -> None:
-  """Waits until every process reached ``name`` (the coordination service's barrier; no device work)."""
-  if process_count() == 1:
-    return
-  client().wait_at_barrier(f"rlfj/{name}", timeout_s * 1000)
-
-
 def broadcast_error(name: str, error: BaseException | None, timeout_s: int = 600) -> None:
   """Process 0 ran a step alone (``error`` is what it raised, or None); every process raises it.
 
@@ -249,8 +242,8 @@ def broadcast_error(name: str, error: BaseException | None, timeout_s: int = 600
 
 
 def on_writer(name: str, fn, *args, **kwargs):
-  """``fn(*args, **kwargs)`` on process 0 only; its failure is raised on every process (then a barrier
-  passes: the others see the written files)."""
+  """``fn(*args, **kwargs)`` on process 0 only; the others wait for its outcome (so they see the files it
+  wrote) and its failure is raised on every process."""
   error, out = None, None
   if is_writer():
     try:
@@ -274,6 +267,14 @@ def _spans_processes(sharding) -> bool:
   return not sharding.is_fully_addressable
 
 
+def crosses_processes(x, sharding) -> bool:
+  """Whether device array ``x`` moving to ``sharding`` changes device sets where one spans several
+  processes: JAX's ``device_put`` cannot reshard that across hosts on CPU or GPU (``put`` can)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  return (isinstance(x, jax.Array) and x.sharding.device_set != sharding.device_set
+          and (_spans_processes(x.sharding) or _spans_processes(sharding)))
+
+
 def put(tree, shardings):
   """``jax.device_put(tree, shardings)`` that also works where a sharding spans several processes:
 
@@ -292,9 +293,7 @@ def put(tree, shardings):
   out = []
   for x, s in zip(leaves, targets):
     if isinstance(x, jax.Array):
-      across = x.sharding.device_set != s.device_set and (
-          _spans_processes(x.sharding) or _spans_processes(s))
-      if not across:
+      if not crosses_processes(x, s):
         out.append(jax.device_put(x, s))
         continue
       x = fetch(x)

@@ -46,7 +46,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from rl_fusion_jax.distributed import put
+from rl_fusion_jax.distributed import crosses_processes, put
 from rl_fusion_jax.sharding import memory
 from rl_fusion_jax.sharding.mesh import replicated
 from rl_fusion_jax.sharding.rules import GENERATE_RULES, TRAIN_RULES, Rules, param_shardings
@@ -369,8 +369,8 @@ def _move_bucket(leaves: list, out: list, dsts: list, bucket: Sequence[int], tra
   moved = []
   for start in range(0, len(bucket), _MAX_IN_FLIGHT):
     chunk = bucket[start:start + _MAX_IN_FLIGHT]
-    if any(_across_processes(leaves[i], dsts[i]) for i in chunk):
-      moved += [jax.block_until_ready(_put_across_processes(source(i), dsts[i])) for i in chunk]
+    if any(crosses_processes(leaves[i], dsts[i]) for i in chunk):   # through host memory, leaf by leaf
+      moved += [jax.block_until_ready(put(source(i), dsts[i])) for i in chunk]
       continue
     moved += jax.block_until_ready(jax.device_put([source(i) for i in chunk], [dsts[i] for i in chunk],
                                                   may_alias=False if keep_source else None))
@@ -380,20 +380,6 @@ def _move_bucket(leaves: list, out: list, dsts: list, bucket: Sequence[int], tra
     if not keep_source and isinstance(leaves[i], jax.Array):
       leaves[i].delete()
     out[i] = new
-
-
-def _across_processes(x, sharding: NamedSharding) -> bool:
-  """Whether ``x`` moves between two device sets of which one spans several processes: JAX's
-  ``device_put`` cannot reshard across hosts between different device sets on CPU and GPU."""
-  if not isinstance(x, jax.Array) or x.sharding.device_set == sharding.device_set:
-    return False
-  return not (x.is_fully_addressable and sharding.is_fully_addressable)
-
-
-def _put_across_processes(x: jax.Array, sharding: NamedSharding) -> jax.Array:
-  """``x`` at ``sharding`` through host memory (``distributed.put``), one leaf at a time, so the host
-  holds at most the bucket's largest leaf."""
-  return put(x, sharding)
 
 
 def _cast_dtypes(leaves: list, dtype) -> list | None:
