@@ -79,7 +79,7 @@ def matmul_shapes(cfg) -> list[list[int]]:
 
 def workload(cfg, num_steps: int) -> dict:
   """Everything the TRL side needs to run the config's workload (see the module docstring)."""
-  from rl_fusion_jax.models import hf_config  # pylint: disable=g-import-not-at-top
+  from rl_fusion_jax import hf_config  # pylint: disable=g-import-not-at-top
   from rl_fusion_jax.orchestration import data  # pylint: disable=g-import-not-at-top
   from rl_fusion_jax.rewards.registry import make_task  # pylint: disable=g-import-not-at-top
   from rl_fusion_jax.tokenizer import CharTokenizer, load_tokenizer  # pylint: disable=g-import-not-at-top

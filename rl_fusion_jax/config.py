@@ -13,9 +13,9 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
+from rl_fusion_jax import model_config
 from rl_fusion_jax.errors import ConfigError
-from rl_fusion_jax.models import ModelConfig
-from rl_fusion_jax.models.config import RUNTIME_FIELDS
+from rl_fusion_jax.model_config import RUNTIME_FIELDS, ModelConfig
 
 
 def _require(cond: bool, field: str, msg: str) -> None:
@@ -476,16 +476,18 @@ class RunConfig:
 class ExperimentConfig:
   """One experiment: a container of the subsystem configs plus the cross-field checks between them."""
   model: ModelSource
-  mesh: MeshConfig = MeshConfig()
-  fusion: FusionConfig = FusionConfig()
-  task: TaskConfig = TaskConfig()
-  rollout: RolloutConfig = RolloutConfig()
-  algo: AlgoConfig = AlgoConfig()
-  optim: OptimConfig = OptimConfig()
-  warmup: WarmupConfig = WarmupConfig()
-  run: RunConfig = RunConfig()
-  stalesync: StaleSyncConfig = StaleSyncConfig()
-  critic: CriticConfig = CriticConfig()
+  # Factories, not instances built at class definition: AlgoConfig() checks its names against
+  # algorithms.registry (which imports JAX), and importing this module must not.
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  fusion: FusionConfig = dataclasses.field(default_factory=FusionConfig)
+  task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+  rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+  algo: AlgoConfig = dataclasses.field(default_factory=AlgoConfig)
+  optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+  warmup: WarmupConfig = dataclasses.field(default_factory=WarmupConfig)
+  run: RunConfig = dataclasses.field(default_factory=RunConfig)
+  stalesync: StaleSyncConfig = dataclasses.field(default_factory=StaleSyncConfig)
+  critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
 
   def __post_init__(self):
     r, a = self.rollout, self.algo
@@ -591,6 +593,8 @@ def _from_mapping(cls, values: Mapping[str, Any], path: str):
     kwargs[name] = value
   try:
     return cls(**kwargs)
+  except model_config.ModelConfigError as e:
+    raise ConfigError(f"{path}.{e.field}: {e.reason}") from None
   except TypeError as e:
     raise ConfigError(f"{path}: {e}") from e
 
@@ -607,13 +611,12 @@ def to_plain(value: Any) -> Any:
 def _model_from_checkpoint(hf_path: str, given: Mapping[str, Any]) -> ModelConfig:
   """The architecture comes from ``hf_path/config.json``; given fields must agree with it.
 
-  Only the fields of ``models.config.RUNTIME_FIELDS`` (precision policy, remat, logits chunk) may differ
+  Only the fields of ``model_config.RUNTIME_FIELDS`` (precision policy, remat, logits chunk) may differ
   from the checkpoint. Anything else that disagrees is an error
   naming the field, so a config never silently describes a different model than the one it loads.
   """
-  from rl_fusion_jax.models import hf_io  # deferred: reads files
   try:
-    ckpt = hf_io.read_config(hf_path)
+    ckpt = model_config.read_config(hf_path)
   except (OSError, ValueError) as e:
     raise ConfigError(f"config.model.hf_path: {e}") from e
   unknown = sorted(set(given) - {f.name for f in dataclasses.fields(ModelConfig)})
@@ -622,8 +625,8 @@ def _model_from_checkpoint(hf_path: str, given: Mapping[str, Any]) -> ModelConfi
   overrides = {k: v for k, v in given.items() if k in RUNTIME_FIELDS}
   try:
     cfg = dataclasses.replace(ckpt, **overrides)
-  except ValueError as e:
-    raise ConfigError(f"config.model: {e}") from None
+  except model_config.ModelConfigError as e:
+    raise ConfigError(f"config.model.{e.field}: {e.reason}") from None
   for name, value in given.items():
     if name not in RUNTIME_FIELDS and getattr(cfg, name) != value:
       raise ConfigError(f"config.model.{name}={value!r} disagrees with {hf_path}/config.json "

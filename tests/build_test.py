@@ -10,7 +10,9 @@ so it is read by executing it with stand-in rule functions that record each targ
   (c) every first-party import in a target's sources is provided by the target itself or a direct dep
       (under Bazel a module missing from the runfiles fails to import), and every label is defined;
   (d) every py_test runs a test file of its srcs through tests/bazel_pytest_main.py, and has as data each
-      experiment binary whose file name (say grpo_main.py) its source quotes: it runs or loads it by path.
+      experiment binary whose file name (say grpo_main.py) its source quotes: it runs or loads it by path;
+  (e) the graph of targets (labels in deps, srcs and data) has no cycle: Bazel refuses to analyse one, and
+      since deps follow imports, a cycle here is a cycle among the modules (tests/import_graph_test.py).
 
 A failure lists the offending paths; for unlisted files it also prints a target to paste into BUILD.
 `python tests/build_test.py >> BUILD` appends those targets (then move them to their section, and add
@@ -23,7 +25,7 @@ import dataclasses
 import os
 import pathlib
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import pytest
 
@@ -161,9 +163,24 @@ def _resolve(root: pathlib.Path, module: str, script_dir: pathlib.Path | None) -
   return None
 
 
-def _imported_modules(tree: ast.AST, package: list[str]) -> Iterator[tuple[str, tuple[str, ...]]]:
-  """(module, from-names) per import, including imports inside functions (they run too)."""
-  for node in ast.walk(tree):
+def _import_nodes(tree: ast.AST, module_level: bool) -> Iterator[ast.AST]:
+  """Import statements of `tree`: all of them, or with `module_level` those that run when the module is
+  imported (not inside a function; class bodies and module-level if / try do run)."""
+  if not module_level:
+    yield from (n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)))
+    return
+  for node in ast.iter_child_nodes(tree):
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+      yield node
+    elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+      yield from _import_nodes(node, module_level)
+
+
+def _imported_modules(tree: ast.AST, package: list[str],
+                      module_level: bool = False) -> Iterator[tuple[str, tuple[str, ...]]]:
+  """(module, from-names) per import, including imports inside functions (they run too) unless
+  `module_level`."""
+  for node in _import_nodes(tree, module_level):
     if isinstance(node, ast.Import):
       for alias in node.names:
         yield alias.name, ()
@@ -173,15 +190,16 @@ def _imported_modules(tree: ast.AST, package: list[str]) -> Iterator[tuple[str, 
       yield module, tuple(a.name for a in node.names)
 
 
-def file_imports(root: pathlib.Path, path: str) -> tuple[set[str], set[str]]:
-  """(first-party files, third-party top-level names) that the Python file `path` imports."""
+def file_imports(root: pathlib.Path, path: str, *, module_level: bool = False) -> tuple[set[str], set[str]]:
+  """(first-party files, third-party top-level names) that the Python file `path` imports (with
+  `module_level`, only the imports that run when it is imported)."""
   file = root / path
   tree = ast.parse(file.read_text(), filename=str(file))
   in_package = (file.parent / "__init__.py").is_file()
   script_dir = None if in_package else file.parent  # a script's own folder is on sys.path
   package = list(pathlib.PurePosixPath(path).parent.parts)
   first, third = set(), set()
-  for module, names in _imported_modules(tree, package):
+  for module, names in _imported_modules(tree, package, module_level):
     # `from pkg import a, B`: a may be a submodule; B (not a module) is read from pkg itself.
     hits = [_resolve(root, f"{module}.{n}", script_dir) for n in names]
     if not names or None in hits:
@@ -308,11 +326,50 @@ def check_test_data(root: pathlib.Path, build: Build) -> list[str]:
   return problems
 
 
+def find_cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+  """Cycles of a directed graph (node -> successors), each as [a, b, ..., a]; [] iff it has none.
+
+  One cycle per back edge of a depth-first search (nodes and successors in sorted order), so every
+  strongly connected component with a cycle shows at least one.
+  """
+  state: dict[str, str] = {}   # "open" while on the search path, then "done"
+  cycles = []
+  for start in sorted(graph):
+    if start in state:
+      continue
+    path, successors = [start], [iter(sorted(graph[start]))]
+    state[start] = "open"
+    while path:
+      node = next(successors[-1], None)
+      if node is None:
+        state[path.pop()] = "done"
+        successors.pop()
+      elif state.get(node) == "open":
+        cycles.append(path[path.index(node):] + [node])
+      elif node not in state:
+        state[node] = "open"
+        path.append(node)
+        successors.append(iter(sorted(graph.get(node, ()))))
+  return cycles
+
+
+def target_graph(build: Build) -> dict[str, set[str]]:
+  """Target name -> names of the targets it refers to (labels in its deps, srcs and data)."""
+  return {t.name: {n for label in t.deps + t.srcs + t.data if (n := _label_name(label)) is not None}
+          for t in build.targets.values()}
+
+
+def check_cycles(build: Build) -> list[str]:
+  """(e): cycles among the targets."""
+  return ["BUILD: dependency cycle " + " -> ".join(f"//:{n}" for n in cycle)
+          for cycle in find_cycles(target_graph(build))]
+
+
 def check(root: pathlib.Path) -> list[str]:
   """Every disagreement between root/BUILD and the files under root, one line each."""
   build = read_build(root)
   return (build.errors + check_unlisted(root, build) + check_missing(root, build) + check_deps(root, build)
-          + check_tests(build) + check_test_data(root, build))
+          + check_tests(build) + check_test_data(root, build) + check_cycles(build))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -492,6 +549,22 @@ def test_checker_reports_binary_missing_from_test_data(fake_tree):
   (fake_tree / "tests/core_test.py").write_text('import rl_fusion_jax.testing\nSCRIPT = "run_main.py"\n')
   assert check(fake_tree) == [
       'core_test: tests/core_test.py names the file of binary ":run_main"; add it to its data']
+
+
+def test_find_cycles_on_hand_made_graphs():
+  assert find_cycles({"a": ["b", "c"], "b": ["d"], "c": ["d"], "d": []}) == []   # a diamond: no cycle
+  assert find_cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c", "a"]]
+  assert find_cycles({"a": ["a"]}) == [["a", "a"]]
+  assert find_cycles({"x": ["y"], "y": ["x", "z"], "z": ["z"]}) == [["x", "y", "x"], ["z", "z"]]
+  assert find_cycles({"a": ["b"]}) == []   # a successor that is no key is a leaf
+
+
+def test_checker_reports_dependency_cycle(fake_tree):
+  # core -> experiments_common -> core: the error Bazel 4.2.3 gives at analysis, before any test runs.
+  text = _FAKE_BUILD.replace('srcs = ["rl_fusion_jax/core.py"])',
+                             'srcs = ["rl_fusion_jax/core.py"], deps = [":experiments_common"])')
+  (fake_tree / "BUILD").write_text(text)
+  assert check(fake_tree) == ["BUILD: dependency cycle //:core -> //:experiments_common -> //:core"]
 
 
 def test_checker_rejects_non_starlark(fake_tree):

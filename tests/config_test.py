@@ -1,11 +1,15 @@
 """Every experiment config loads into the typed config; typos and bad values fail naming the field."""
+import dataclasses
 import glob
 import importlib.util
 import os
+import re
 
 import pytest
 
 from rl_fusion_jax import config as config_lib
+from rl_fusion_jax.errors import ConfigError
+from rl_fusion_jax.model_config import ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "experiments", "configs", "*.py")))
@@ -91,6 +95,37 @@ def test_bad_values_are_named(field, value, match):
   c[section][name] = value
   with pytest.raises(ValueError, match=match):
     config_lib.experiment_from_dict(c)
+
+
+# One bad value per ModelConfig field (against the arithmetic config's model and against the qwen2_f32
+# checkpoint fixture: each differs from both).
+BAD_MODEL_VALUES = {
+    "vocab_size": 0, "hidden_size": -8, "num_layers": 0, "num_heads": 0, "num_kv_heads": 3,
+    "intermediate_size": 0, "head_dim": 7, "rope_theta": 0.0, "rope_scaling": {"rope_type": "yarn"},
+    "rms_norm_eps": -1e-6, "qkv_bias": "yes", "tie_word_embeddings": "no", "max_position_embeddings": 0,
+    "model_type": "gpt2", "dtype": "float16", "param_dtype": "float16", "bos_token_id": -1,
+    "eos_token_id": -1, "remat": "all", "scan_unroll": -1, "logits_chunk": 0, "num_experts": -1,
+    "num_experts_per_tok": -1, "moe_intermediate_size": -1, "shared_expert_intermediate_size": -1,
+    "norm_topk_prob": "yes", "decoder_sparse_step": 0, "mlp_only_layers": (4,), "qk_norm": "no",
+    "moe_impl": "fast", "moe_capacity_factor": 0.0, "router_aux_loss_coef": -0.1, "router_z_loss_coef": -1.0,
+}
+HF_FIXTURE = os.path.join(ROOT, "rl_fusion_jax", "testing", "hf_fixtures", "qwen2_f32")
+
+
+@pytest.mark.parametrize("hf_path", ["", HF_FIXTURE], ids=["fields", "checkpoint"])
+def test_bad_value_of_every_model_field_is_one_line_naming_it(hf_path):
+  """A ConfigError is what the binaries print as one `error:` line (exit 1), without a traceback; a
+  checkpoint's runtime fields (dtype, remat, ...) are validated, any other field must agree with it."""
+  assert set(BAD_MODEL_VALUES) == {f.name for f in dataclasses.fields(ModelConfig)}, "give each field a value"
+  for field, value in BAD_MODEL_VALUES.items():
+    c = base().to_dict()
+    if hf_path:
+      c["model"] = {"hf_path": hf_path, "scan_unroll": 2}
+    c["model"][field] = value
+    with pytest.raises(ConfigError) as error:
+      config_lib.experiment_from_dict(c)
+    message = str(error.value)
+    assert re.match(rf"config\.model\.{field}[.:=]", message) and "\n" not in message, (field, message)
 
 
 def test_device_checks():

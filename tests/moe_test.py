@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rl_fusion_jax.model_config import ModelConfig
 from rl_fusion_jax.models import decoder, moe
-from rl_fusion_jax.models.config import ModelConfig
 
 
 def moe_cfg(**over):

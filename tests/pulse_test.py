@@ -45,12 +45,18 @@ def test_grpo_main_rejects_config_typo(tmp_path):
   assert not (tmp_path / "run").exists()
 
 
-def test_grpo_main_reports_bad_values_in_one_line(tmp_path):
+@pytest.mark.parametrize("override,error", [
+    ("task.eval_problems=0", "config.task.eval_problems: must be >= 1, got 0"),
+    # ModelConfig's own checks (tests/config_test.py tries every model field in-process).
+    ("model.dtype=float16", "config.model.dtype: must be one of ('float32', 'bf16_matmul', 'bfloat16'), "
+                            "got 'float16'"),
+])
+def test_grpo_main_reports_bad_values_in_one_line(tmp_path, override, error):
   cmd = [sys.executable, os.path.join(ROOT, "experiments", "grpo_main.py"),
          "--config=" + os.path.join(ROOT, "experiments", "configs", "arithmetic.py"),
-         f"--workdir={tmp_path / 'run'}", "--config.task.eval_problems=0"]
+         f"--workdir={tmp_path / 'run'}", f"--config.{override}"]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 1
-  assert "error: config.task.eval_problems: must be >= 1, got 0" in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1] == f"error: {error}"
   assert "Traceback" not in proc.stderr
   assert not (tmp_path / "run").exists()

@@ -5,7 +5,7 @@ Everything here is placement-agnostic: sharding is decided by `param_logical_axe
 in `rl_fusion_jax.sharding`. Nothing in this package imports torch or transformers.
 """
 
-from rl_fusion_jax.models.config import ModelConfig
+from rl_fusion_jax.model_config import ModelConfig
 from rl_fusion_jax.models.decoder import (
     Params,
     abstract_params,

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rl_fusion_jax.models.config import ModelConfig
+from rl_fusion_jax.model_config import ModelConfig
 from rl_fusion_jax.models.layers import MLP, Attention, RMSNorm, attend
 from rl_fusion_jax.models.moe import MoE
 

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from rl_fusion_jax.model_config import ModelConfig
 from rl_fusion_jax.models import moe
 from rl_fusion_jax.models.block import DecoderLayer
-from rl_fusion_jax.models.config import ModelConfig
 from rl_fusion_jax.models.layers import (F32, PROJ_NAME, RMSNorm, make_param,
                                           mixed_matmul)
 

@@ -17,13 +17,13 @@ import tempfile
 from typing import Any
 
 import jax
-import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from rl_fusion_jax.distributed import fetch
-from rl_fusion_jax.models.config import ModelConfig
+from rl_fusion_jax.model_config import DTYPES as NP_DTYPES  # weight dtype name -> numpy dtype
+from rl_fusion_jax.model_config import ModelConfig, read_config
 from rl_fusion_jax.models.decoder import (STACKS, Params, abstract_params, check_params, flatten,
                                           path_str, unflatten)
 
@@ -65,7 +65,6 @@ HF_NAMES = (
     (("lm_head", "kernel"), "lm_head.weight", "linear"),
 )
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a derived buffer older checkpoints saved
-NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,29 +180,6 @@ def hf_shape(layout: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 # ----------------------------------------------------------------------------------------------- loading
-
-
-def read_config_json(path: str) -> tuple[str, Any]:
-  """(path of config.json, its parsed content) for a checkpoint folder; errors name the file."""
-  if not os.path.isdir(path):
-    raise FileNotFoundError(f"{path}: checkpoint folder does not exist")
-  config_path = os.path.join(path, "config.json")
-  if not os.path.isfile(config_path):
-    raise FileNotFoundError(f"{config_path}: missing config.json")
-  try:
-    with open(config_path, encoding="utf-8") as f:
-      return config_path, json.load(f)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{config_path}: malformed JSON ({e})") from None
-
-
-def read_config(path: str) -> ModelConfig:
-  """`ModelConfig` of the checkpoint folder `path`; errors name the folder or config.json and the key."""
-  config_path, d = read_config_json(path)
-  try:
-    return ModelConfig.from_hf_dict(d)
-  except (ValueError, TypeError) as e:
-    raise ValueError(f"{config_path}: {e}") from None
 
 
 def weight_files(path: str) -> list[str]:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from rl_fusion_jax.models.config import DTYPES, ModelConfig
+from rl_fusion_jax.model_config import DTYPES, ModelConfig
 from rl_fusion_jax.models.decoder import Params, _check_tokens, bind
 
 KVCache = dict[str, jax.Array]

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from rl_fusion_jax.models.config import ModelConfig
+from rl_fusion_jax.model_config import ModelConfig
 
 F32 = jnp.float32
 # Name of every projection matmul's output (`jax.ad_checkpoint.checkpoint_name`): the remat policy

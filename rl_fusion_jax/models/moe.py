@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rl_fusion_jax.models.config import ModelConfig
+from rl_fusion_jax.model_config import ModelConfig
 from rl_fusion_jax.models.layers import F32, MLP, make_param
 
 # Keys of one sparse layer's auxiliary outputs (float32): the two losses are scalars, the per-expert

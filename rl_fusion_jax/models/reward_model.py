@@ -30,9 +30,10 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 from safetensors.numpy import save_file
 
+from rl_fusion_jax import hf_config
 from rl_fusion_jax.distributed import fetch
-from rl_fusion_jax.models import decoder, hf_config, hf_io
-from rl_fusion_jax.models.config import ModelConfig
+from rl_fusion_jax.model_config import ModelConfig
+from rl_fusion_jax.models import decoder, hf_io
 from rl_fusion_jax.models.layers import F32
 
 RewardParams = dict[str, Any]
@@ -206,7 +207,7 @@ def read_classifier_config(path: str, architectures: Mapping[str, str], kind: st
 
   `kind` ('reward model', ...) names what was expected; errors name config.json and the key.
   """
-  config_path, d = hf_io.read_config_json(path)
+  config_path, d = hf_config.read_config_json(path)
   model_type = d.get("model_type") if isinstance(d, Mapping) else None
   if model_type not in architectures or d.get("architectures") != [architectures[model_type]]:
     raise ValueError(f"{config_path}: architectures {d.get('architectures') if isinstance(d, Mapping) else d!r}"

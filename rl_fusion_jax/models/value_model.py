@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from rl_fusion_jax import hf_config
+from rl_fusion_jax.model_config import ModelConfig
 from rl_fusion_jax.models import decoder, hf_io
 from rl_fusion_jax.models import reward_model as rm
-from rl_fusion_jax.models.config import ModelConfig
 from rl_fusion_jax.models.layers import F32
 
 ValueParams = dict[str, Any]
@@ -146,7 +147,7 @@ def read_value_config(path: str) -> ModelConfig:
   A reward model (`*ForSequenceClassification`: one score per sequence, no bias) is refused with a
   message saying so, rather than read as a value head.
   """
-  config_path, d = hf_io.read_config_json(path)
+  config_path, d = hf_config.read_config_json(path)
   arch = d.get("architectures") if isinstance(d, Mapping) else None
   if isinstance(arch, list) and len(arch) == 1 and arch[0] in rm.ARCHITECTURES.values():
     raise ValueError(f"{config_path}: architectures {arch} is a reward model (one score per sequence), not a "

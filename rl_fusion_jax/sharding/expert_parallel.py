@@ -53,8 +53,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from rl_fusion_jax.model_config import ModelConfig
 from rl_fusion_jax.models import moe
-from rl_fusion_jax.models.config import ModelConfig
 from rl_fusion_jax.models.decoder import param_logical_axes
 from rl_fusion_jax.sharding.mesh import BATCH_AXES
 from rl_fusion_jax.sharding.rules import Rules, logical_to_spec

@@ -31,8 +31,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from rl_fusion_jax.config import pipeline_problem
+from rl_fusion_jax.model_config import ModelConfig
 from rl_fusion_jax.models import decoder, moe
-from rl_fusion_jax.models.config import ModelConfig
 from rl_fusion_jax.sharding.mesh import STAGE_AXIS, batch_shards, num_stages
 
 F32 = jnp.float32

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from rl_fusion_jax.models.config import ModelConfig
+from rl_fusion_jax.model_config import ModelConfig
 from rl_fusion_jax.models.kv_cache import cache_logical_axes
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]

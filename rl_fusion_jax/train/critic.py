@@ -21,8 +21,8 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 from rl_fusion_jax import algorithms
+from rl_fusion_jax.model_config import ModelConfig
 from rl_fusion_jax.models import value_model
-from rl_fusion_jax.models.config import ModelConfig
 from rl_fusion_jax.sharding.mesh import batch_sharding, batch_shards, replicated
 from rl_fusion_jax.train.state import TrainState
 from rl_fusion_jax.train.step import MicroBatching, as_micro_batching, update

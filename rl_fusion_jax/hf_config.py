@@ -4,7 +4,9 @@ transformers 4.x writes `rope_theta` and `rope_scaling` at the top level and the
 `torch_dtype`; 5.x writes `rope_parameters` (holding `rope_type`, `rope_theta` and the scaling keys) and
 `dtype`. Reading accepts either; writing emits both, which 4.x and 5.x each read consistently. Features
 the decoder does not implement (sliding windows, o_proj / MLP biases, partial rotary, other activations)
-are rejected by name instead of being silently ignored. This module never reads files.
+are rejected by name instead of being silently ignored. The one file this module reads is a checkpoint's
+`config.json` (`read_config_json`); weights are `models/hf_io.py`'s. It imports nothing but the standard
+library, so `rl_fusion_jax.config` can check a checkpoint's architecture without JAX.
 
 Model types: qwen2 and llama (dense), qwen3 (dense with per-head q/k RMSNorm; `attention_bias` would also
 bias o_proj, so it is rejected), qwen2_moe (q/k/v biases, a shared expert behind a sigmoid gate) and
@@ -16,6 +18,8 @@ have the biases): it is read (default true) and written.
 """
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,6 +46,20 @@ _DEFAULTS = {
                   "num_experts_per_tok": 8, "moe_intermediate_size": 768},
 }
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
+def read_config_json(path: str) -> tuple[str, Any]:
+  """(path of config.json, its parsed content) for a checkpoint folder; errors name the file."""
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"{path}: checkpoint folder does not exist")
+  config_path = os.path.join(path, "config.json")
+  if not os.path.isfile(config_path):
+    raise FileNotFoundError(f"{config_path}: missing config.json")
+  try:
+    with open(config_path, encoding="utf-8") as f:
+      return config_path, json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{config_path}: malformed JSON ({e})") from None
 
 
 def _require(d: Mapping[str, Any], key: str) -> Any:
