@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from rl_fusion_jax.queue import distqueue
 from rl_fusion_jax.queue.distqueue import (DistQueue, FieldSpec, NotReady, Packed, QueueFull, check_capacity,
                                            pack, unpack)
 
@@ -145,56 +145,100 @@ def test_check_capacity_names_capacity():
     make_queue(capacity=2).read("reward", n=3, block=True)
 
 
-def test_full_queue_blocks_producer_until_a_consumer_reads():
+class ManualClock:
+  """Stands in for distqueue's clock: time moves only when a test sets ``now``, and every reading is kept.
+
+  A blocking call reads the clock as its wait starts, still holding the queue's lock, which it releases
+  only by waiting: once a test has seen that reading, anything it does to the queue happens while the
+  caller waits (no sleep, whatever the machine's load). Its second reading ends the wait.
+  """
+
+  def __init__(self):
+    self.now = 0.0
+    self.readings: list[tuple[str, float]] = []     # (thread name, time read)
+    self._cond = threading.Condition()
+
+  def __call__(self) -> float:
+    with self._cond:
+      self.readings.append((threading.current_thread().name, self.now))
+      self._cond.notify_all()
+      return self.now
+
+  def wait_for_readings(self, n: int) -> None:
+    with self._cond:   # the timeout only bounds a broken test; nothing is timed by it
+      assert self._cond.wait_for(lambda: len(self.readings) >= n, timeout=60.0), self.readings
+
+
+@pytest.fixture
+def clock(monkeypatch):
+  manual = ManualClock()
+  monkeypatch.setattr(distqueue, "_clock", manual)
+  return manual
+
+
+def test_full_queue_blocks_producer_until_a_consumer_reads(clock):
   queue = make_queue(capacity=2, consumers=(("train", ("tokens",)),))
   queue.put([0, 1], tokens=[[1], [2]])
   with pytest.raises(QueueFull, match="capacity=2"):
     queue.put([2], tokens=[[3]], block=False)
+  queue.put([1], versions=[[0]], block=False)  # a field for a live sample needs no room
+  assert clock.readings == []                  # neither waited
   with pytest.raises(QueueFull):
     queue.put([2], tokens=[[3]], timeout=0.05, producer="gen")
-  queue.put([1], versions=[[0]], block=False)  # a field for a live sample needs no room
+  assert len(clock.readings) == 2 and queue.stats()["wait_s/producer/gen"] == 0.0  # counted; the clock stood
   done = threading.Event()
-  thread = threading.Thread(target=lambda: (queue.put([2, 3], tokens=[[3], [4]], timeout=10.0,
-                                                      producer="gen"), done.set()))
+  thread = threading.Thread(target=lambda: (queue.put([2, 3], tokens=[[3], [4]], timeout=60.0,
+                                                      producer="gen"), done.set()), name="producer")
   thread.start()
-  time.sleep(0.2)
+  clock.wait_for_readings(3)                   # the producer waits for room
+  assert clock.readings[2] == ("producer", 0.0)
   assert not done.is_set() and queue.stats()["depth"] == 2.0  # blocked, nothing written
-  queue.read("train", n=2)
-  thread.join(timeout=10.0)
-  assert done.is_set()
+  clock.now = 2.5
+  queue.read("train", n=2)                     # frees both rows: the producer writes and returns
+  thread.join(timeout=60.0)
+  assert done.is_set() and clock.readings[3] == ("producer", 2.5)
   np.testing.assert_array_equal(queue.ready("train"), [2, 3])
-  assert queue.stats()["wait_s/producer/gen"] >= 0.2  # the failed 0.05 s wait plus the blocked one
+  assert queue.stats()["wait_s/producer/gen"] == 2.5  # the failed wait (0 on this clock) plus the blocked one
 
 
-def test_writes_are_checked_again_after_waiting():
+def test_writes_are_checked_again_after_waiting(clock):
   queue = make_queue(capacity=2, consumers=(("train", ("reward",)),))
   queue.put([0, 1], reward=[1.0, 2.0])
   errors = []
 
   def blocked_put():
     try:
-      queue.put([1, 2], versions=[[0], [0]], timeout=10.0)
+      queue.put([1, 2], versions=[[0], [0]], timeout=60.0)
     except ValueError as e:
       errors.append(str(e))
 
-  thread = threading.Thread(target=blocked_put)
+  thread = threading.Thread(target=blocked_put, name="producer")
   thread.start()
-  time.sleep(0.1)
+  clock.wait_for_readings(1)   # the first check passed (sample 1 had no versions); it waits for room for 2
   queue.put([1], versions=[[5]], block=False)  # sample 1 is live: no room needed
-  queue.read("train", [0])
-  thread.join(timeout=10.0)
+  assert errors == [] and len(clock.readings) == 1   # still waiting: 1 live + 2 still over capacity
+  queue.read("train", [0])                     # evicts 0: room for sample 2, the put wakes
+  thread.join(timeout=60.0)
   assert errors == ["field 'versions' was already written for sample 1 (no overwrite)"]
+  assert [who for who, _ in clock.readings] == ["producer", "producer"]  # refused after its wait ended
   assert queue.stats()["depth"] == 1.0  # the late put opened nothing
 
 
-def test_consumer_waits_for_a_producer():
+def test_consumer_waits_for_a_producer(clock):
   queue = make_queue(consumers=(("train", ("tokens",)),))
-  timer = threading.Timer(0.1, lambda: queue.put([5, 6], tokens=[[1], [2]]))
-  timer.start()
-  batch = queue.read("train", n=2, block=True, timeout=10.0)
-  timer.join()
-  np.testing.assert_array_equal(batch.indices, [5, 6])
-  assert queue.stats()["wait_s/consumer/train"] >= 0.05
+  batches = []
+  thread = threading.Thread(target=lambda: batches.append(queue.read("train", n=2, block=True, timeout=60.0)),
+                            name="consumer")
+  thread.start()
+  clock.wait_for_readings(1)                   # the consumer waits: nothing is ready
+  queue.put([5], tokens=[[1]])                 # one of two: wakes it, and it waits on
+  assert batches == []
+  clock.now = 4.0
+  queue.put([6], tokens=[[2]])
+  thread.join(timeout=60.0)
+  np.testing.assert_array_equal(batches[0].indices, [5, 6])
+  assert clock.readings == [("consumer", 0.0), ("consumer", 4.0)]   # one wait, ended by the second put
+  assert queue.stats()["wait_s/consumer/train"] == 4.0
   with pytest.raises(NotReady):
     queue.read("train", n=1, block=True, timeout=0.01)
 

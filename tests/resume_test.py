@@ -358,13 +358,17 @@ BINARY_FLAGS = ["--config.model.hidden_size=32", "--config.model.num_layers=2", 
                 "--config.stalesync.rollout_fraction=0.5", "--config.rollout.num_slots=32"]
 
 
-def _binary(workdir):
+def _binary(workdir, log=None):
+  """The binary on ``workdir``; its output to pipes, or to the open file ``log`` (for a run nothing reads
+  while it runs: a full pipe would stall it)."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["JAX_PLATFORMS"] = "cpu"
   cmd = [sys.executable, os.path.join(ROOT, "experiments", "grpo_main.py"),
          "--config=" + os.path.join(ROOT, "experiments", "configs", "arithmetic.py"),
          f"--workdir={workdir}", *BINARY_FLAGS]
-  return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  out = log or subprocess.PIPE
+  return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if log else subprocess.PIPE,
+                          text=True)
 
 
 def _finish(proc):
@@ -373,25 +377,56 @@ def _finish(proc):
   return out
 
 
+RUN_STEPS = 6   # --config.run.steps above
+
+
+def _complete_metric_rows(workdir):
+  """The rows of metrics.jsonl that are whole lines (one still being written is left out)."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  return [json.loads(line) for line in open(path).read().split("\n")[:-1] if line.strip()]
+
+
+def _finished_checkpoint_steps(folder):
+  """Steps of the finished checkpoints in ``folder`` (orbax writes into '<step>.orbax-checkpoint-tmp' first)."""
+  return sorted(int(name) for name in os.listdir(folder) if name.isdigit()) if os.path.isdir(folder) else []
+
+
 def test_sigkill_at_a_random_point_then_resume_equals_uninterrupted(tmp_path):
-  rng = random.Random(int(os.environ.get("RLFJ_KILL_SEED", time.time_ns())))
+  seed = int(os.environ.get("RLFJ_KILL_SEED", time.time_ns()))
   straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
   _finish(_binary(straight))
-  # Kill once the run has written k metric rows (k random, 0 = still warming up), a random 0-1.5 s later.
-  k = rng.randint(0, 5)
-  delay = rng.uniform(0.0, 1.5)
-  proc = _binary(killed)
-  metrics_file = os.path.join(killed, "metrics.jsonl")
-  deadline = time.time() + 300
-  while time.time() < deadline and proc.poll() is None:
-    rows = open(metrics_file).read().count("\n") if os.path.exists(metrics_file) else -1
-    if rows >= k or (k == 0 and os.path.isdir(os.path.join(killed, "warmup_checkpoints"))):
-      break
-    time.sleep(0.05)
-  time.sleep(delay)
-  proc.send_signal(signal.SIGKILL)
-  proc.communicate()
-  print(f"killed after {k} metric rows + {delay:.2f} s (RLFJ_KILL_SEED to repeat)")
+  # The kill point, at random: 0 = in the warm-up (once its checkpoint folder exists), m >= 1 = once m
+  # metric rows are complete (row 1: the eval before RL; row m: RL step m - 1). m <= RUN_STEPS leaves at
+  # least the last step, its checkpoint and the summary to do. After rows 3 and 5 the run is writing a
+  # checkpoint asynchronously: the kill lands in it or just after.
+  point = random.Random(seed).randint(0, RUN_STEPS)
+  reached = ((lambda: os.path.isdir(os.path.join(killed, "warmup_checkpoints"))) if point == 0 else
+             (lambda: len(_complete_metric_rows(killed)) >= point))
+  log_path = tmp_path / "killed.log"
+  with open(log_path, "w") as log:
+    proc = _binary(killed, log)
+  deadline = time.monotonic() + 300
+  while not reached():
+    assert proc.poll() is None, f"the run ended before kill point {point}: {log_path.read_text()[-3000:]}"
+    assert time.monotonic() < deadline, f"kill point {point} not reached in 300 s"
+    time.sleep(0.01)
+  # Stopped first, so that what it wrote by the moment of the kill can be checked: the kill must land
+  # mid-run, or resuming below would prove nothing.
+  proc.send_signal(signal.SIGSTOP)
+  try:
+    assert proc.poll() is None, f"the run had finished before it was stopped (kill point {point})"
+    steps = [r["step"] for r in _complete_metric_rows(killed)]
+    checkpoints = _finished_checkpoint_steps(os.path.join(killed, "checkpoints"))
+    assert not os.path.exists(os.path.join(killed, "summary.json")), (point, steps, checkpoints)
+    assert max(checkpoints, default=-1) < RUN_STEPS, (point, steps, checkpoints)
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+  assert proc.returncode == -signal.SIGKILL
+  print(f"killed at point {point}: metric rows of steps {steps}, checkpoints {checkpoints} "
+        f"(RLFJ_KILL_SEED={seed} repeats the point)")
   out = _finish(_binary(killed))
   assert "accuracy before RL" in out
   rows = metrics_lib.read_metrics(killed)

@@ -25,6 +25,10 @@ import numpy as np
 _COUNTERS = ("evicted", "bytes_read_tokens", "bytes_read_samples", "token_rows_bytes",
              "bytes_read_tokens_batchmax")
 _RESERVED = frozenset({"indices", "block", "timeout", "producer"})  # keyword arguments of put
+# The clock that wait_s/... counters read, once as a wait starts (holding the lock, just before it is
+# released to wait) and once as it ends. Tests put a clock of their own here to know that a caller is
+# waiting and to measure its wait without depending on the machine's load.
+_clock = time.monotonic
 
 
 class QueueFull(RuntimeError):
@@ -223,10 +227,10 @@ class DistQueue:
       return
     if not block:
       raise error()
-    start = time.monotonic()
+    start = _clock()
     done = self._cond.wait_for(ok, timeout)
     key = f"wait_s/{who}"
-    self._counters[key] = self._counters.get(key, 0.0) + time.monotonic() - start
+    self._counters[key] = self._counters.get(key, 0.0) + _clock() - start
     if not done:
       raise error()
 
