@@ -5,7 +5,9 @@ r"""GRPO on one co-located mesh.
 Overrides: ``--config.rollout.temperature=0.7``; the config is locked, so a typo fails at start naming
 the full path and the closest key. Writes DIR/config.json, DIR/metrics.jsonl, DIR/checkpoints/ and
 DIR/summary.json, and resumes from the newest intact checkpoint in DIR (README: "Failures and resume").
-Errors a user can act on (bad config, refused resume, divergence) print one line and exit with status 1.
+Errors a user can act on (bad config, refused resume, a workdir in use, divergence, a checkpoint that
+cannot be written) print one line and exit with status 1. SIGTERM / SIGINT finish the step, write a
+checkpoint and exit with status 75 (a second signal exits at once); the same command resumes.
 """
 import sys
 
@@ -31,7 +33,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   del argv
   from rl_fusion_jax import config as config_lib  # after flags parse; imports jax
-  from rl_fusion_jax.errors import RunError
+  from rl_fusion_jax.errors import PREEMPTED_EXIT, Preempted, RunError
   try:
     cfg = config_lib.experiment_from_dict(_CONFIG.value)
     common.setup_jax(cfg.mesh.cpu_devices, _CACHE.value, _DISTRIBUTED())
@@ -39,8 +41,16 @@ def main(argv):
     logging.info("config:\n%s", _CONFIG.value)
     summary = loop.run(cfg, _WORKDIR.value, tensorboard=_TENSORBOARD.value,
                        resume_overrides=_RESUME_OVERRIDE.value, export_hf=_EXPORT_HF.value)
+  except Preempted as e:
+    sys.stderr.write(f"preempted: {e}\n")
+    sys.exit(PREEMPTED_EXIT)
   except RunError as e:
     sys.stderr.write(f"error: {e}\n")
+    sys.exit(1)
+  except OSError as e:   # a file of the run (metrics, timeline, config) could not be written or read
+    if e.filename is None:
+      raise
+    sys.stderr.write(f"error: {e.filename}: {e.strerror}\n")
     sys.exit(1)
   print(common.summary_line(summary))
 

@@ -3,6 +3,12 @@
 Guarantees, and how they are kept:
   * Atomic: orbax writes each step into a temporary folder and renames it when complete, so a crash never
     leaves a half-written checkpoint that resume would pick up (left-over temporary folders are removed).
+  * Fails whole: a save that cannot be written (disk full, quota, permissions) is a ``WriteError`` naming
+    the step folder, the errno text and the bytes the checkpoint needs; its temporary folder is removed,
+    so the previous checkpoint stays the newest intact one. Before writing, ``save`` compares the bytes
+    it needs (uncompressed: an upper bound) with the filesystem's free space and refuses at once, with
+    nothing written, when they do not fit. orbax's own error logs of a failed save (a traceback per
+    writer thread) are dropped: the failure reaches the caller as that one exception instead.
   * Never non-finite: ``save`` computes a fingerprint of every saved tree on device (one small program)
     and refuses to write when a floating-point value is NaN or infinite.
   * Verified: the fingerprints (a position-weighted sum of each leaf's bit patterns modulo 2**32, so
@@ -18,11 +24,17 @@ never decides which step to resume from; ``orchestration/resume.py`` does.
 from __future__ import annotations
 
 import base64
+import errno as errno_lib
+import glob
 import hashlib
 import json
+import logging as std_logging
 import os
+import re
 import shutil
+import sys
 import time
+import traceback
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,8 +44,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from rl_fusion_jax import distributed
 from rl_fusion_jax.distributed import fetch
-from rl_fusion_jax.errors import CheckpointError
+from rl_fusion_jax.errors import CheckpointError, WriteError
 
 
 def abstract_like(tree, shardings):
@@ -110,6 +123,75 @@ def _host_digest(encoded) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Write failures: one error naming the folder, the errno text and the size, and no orbax log noise.
+# ----------------------------------------------------------------------------------------------------
+
+class _DropOrbaxErrors(std_logging.Filter):
+  """orbax logs each failed writer thread's traceback before the save raises; the raise is reported."""
+
+  def filter(self, record):
+    return not (record.levelno >= std_logging.ERROR and "/orbax/" in record.pathname.replace(os.sep, "/"))
+
+
+class _DropClosedLoopCallbacks:
+  """``sys.unraisablehook`` wrapper. When a save fails, orbax closes the event loop of that save while
+  tensorstore writes are still in flight; each later completion calls ``loop.call_soon_threadsafe`` from
+  tensorstore's C++ thread, which raises "Event loop is closed" where nothing can catch it, and Python
+  prints it as an unraisable exception. Nothing waits on those writes (the save already failed and its
+  folder is removed): this drops exactly that report and passes every other one on."""
+
+  def __init__(self, previous):
+    self.previous = previous
+
+  def __call__(self, unraisable):
+    frames = traceback.extract_tb(unraisable.exc_traceback) if unraisable.exc_traceback else []
+    if not (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
+            and frames and frames[0].name == "call_soon_threadsafe"):
+      self.previous(unraisable)
+
+
+def _quiet_orbax_errors() -> None:
+  logger = std_logging.getLogger("absl")
+  if not any(isinstance(f, _DropOrbaxErrors) for f in logger.filters):
+    logger.addFilter(_DropOrbaxErrors())
+  if not isinstance(sys.unraisablehook, _DropClosedLoopCallbacks):
+    sys.unraisablehook = _DropClosedLoopCallbacks(sys.unraisablehook)
+
+
+def _errno_of(e: BaseException) -> int | None:
+  """The errno behind an orbax / tensorstore failure: an OSError in the chain, else tensorstore's
+  ``[os_error_code='28']`` in the message."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if isinstance(e, OSError) and e.errno:
+      return e.errno
+    m = re.search(r"os_error_code='?(\d+)", str(e))
+    if m:
+      return int(m.group(1))
+    e = e.__cause__ or e.__context__
+  return None
+
+
+def _mib(n: int) -> str:
+  return f"{n / 2**20:.1f} MiB ({n} bytes)"
+
+
+def free_bytes(directory: str) -> int:
+  """Free bytes on the filesystem that holds ``directory`` (or its nearest existing parent)."""
+  probe = os.path.abspath(directory)
+  while not os.path.exists(probe):
+    probe = os.path.dirname(probe)
+  return shutil.disk_usage(probe).free
+
+
+def _write_error(path: str, code: int | None, detail: str, needed: int, free: int) -> WriteError:
+  what = f"{os.strerror(code)} (errno {errno_lib.errorcode.get(code, code)})" if code else detail
+  return WriteError(f"cannot write checkpoint {path}: {what}; it needs up to {_mib(needed)}, "
+                    f"{_mib(free)} free there")
+
+
+# ----------------------------------------------------------------------------------------------------
 # The checkpointer.
 # ----------------------------------------------------------------------------------------------------
 
@@ -151,6 +233,8 @@ class Checkpointer:
     self.directory, self.keep = os.path.abspath(directory), keep
     self._create = create
     self._mngr = None
+    self._pending: tuple[int, int] | None = None   # (step, bytes needed) of the save in flight
+    _quiet_orbax_errors()
 
   @property
   def _manager(self) -> ocp.CheckpointManager:
@@ -178,6 +262,7 @@ class Checkpointer:
 
     ``host``: optional host state (dicts, lists, scalars, numpy arrays) saved exactly, with a digest.
     """
+    self._raise_pending()   # a failure of the previous (asynchronous) save is reported first
     checksums = {}
     for name, tree in items.items():
       checksums[name], finite = fingerprint(tree)
@@ -185,12 +270,66 @@ class Checkpointer:
         raise ValueError(f"refusing to write checkpoint step {step}: {name} holds non-finite values")
     args = {name: ocp.args.StandardSave(tree) for name, tree in items.items()}
     meta = {**meta, "checksums": checksums}
+    needed = sum(int(x.nbytes) for x in jax.tree.leaves(items))
     if host is not None:
       encoded = encode_host(host)
       meta["host_sha256"] = _host_digest(encoded)
       args["host"] = ocp.args.JsonSave(encoded)
+      needed += len(json.dumps(encoded))
     args["meta"] = ocp.args.JsonSave(meta)
-    self._manager.save(step, args=ocp.args.Composite(**args))
+    needed += len(json.dumps(meta)) + 64 * 1024   # orbax's own metadata files, a few KiB per item
+    self._check_space(step, needed)
+    self._pending = (step, needed)
+    try:
+      self._manager.save(step, args=ocp.args.Composite(**args))
+    except Exception as e:  # pylint: disable=broad-except
+      self._fail(e)
+
+  def _check_space(self, step: int, needed: int) -> None:
+    """WriteError (on every process, before anything is written) when the checkpoint cannot fit."""
+    free = free_bytes(self.directory)
+    mine = "" if free >= needed else str(_write_error(self.step_path(step), errno_lib.ENOSPC, "", needed, free))
+    verdicts = [mine] if distributed.process_count() == 1 else distributed.exchange("ckpt_space", mine)
+    failed = [v for v in verdicts if v]
+    if failed:
+      raise WriteError(failed[0])
+
+  def _fail(self, e: BaseException) -> None:
+    """Turns orbax's failure of the pending save into a WriteError; removes its temporary folders."""
+    step, needed = self._pending if self._pending is not None else (-1, 0)
+    self._pending = None
+    mngr, self._mngr = self._mngr, None
+    if mngr is not None:
+      try:
+        mngr.close()
+      except Exception:  # pylint: disable=broad-except
+        pass   # the same failure again
+    self._remove_temporary(step)
+    detail = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+    raise _write_error(self.step_path(step), _errno_of(e), detail, needed,
+                       free_bytes(self.directory)) from e
+
+  def _remove_temporary(self, step: int, quiet_s: float = 0.1, timeout_s: float = 10.0) -> None:
+    """Removes the failed save's temporary folders. A failed save can still have writes in flight in
+    tensorstore's threads (orbax stops waiting at the first error), which may recreate a folder: remove
+    until none reappears for ``quiet_s``."""
+    pattern = os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp*")
+    deadline = time.monotonic() + timeout_s
+    while True:
+      for tmp in glob.glob(pattern):
+        shutil.rmtree(tmp, ignore_errors=True)
+      time.sleep(quiet_s)
+      if not glob.glob(pattern) or time.monotonic() > deadline:
+        return
+
+  def _raise_pending(self) -> None:
+    if self._mngr is None or self._pending is None:
+      return
+    try:
+      self._mngr.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      self._fail(e)
+    self._pending = None
 
   def restore_host(self, step: int, meta: dict[str, Any]):
     """The host state saved with ``step`` (None if none was), digest-checked."""
@@ -263,11 +402,14 @@ class Checkpointer:
     return extra
 
   def wait(self) -> None:
-    if self._mngr is not None:
-      self._mngr.wait_until_finished()
+    """Blocks until the pending save is on disk; WriteError when it failed."""
+    self._raise_pending()
 
   def close(self) -> None:
-    if self._mngr is not None:
-      self._mngr.wait_until_finished()
-      self._mngr.close()
-      self._mngr = None
+    """Waits for the pending save (WriteError when it failed) and ends orbax's threads in any case."""
+    try:
+      self._raise_pending()
+    finally:
+      if self._mngr is not None:
+        self._mngr.close()
+        self._mngr = None

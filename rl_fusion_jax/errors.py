@@ -33,3 +33,20 @@ class DivergenceError(RunError):
 
 class ProcessError(RunError):
   """Another process of a multi-process run failed or disagreed (its message is carried here)."""
+
+
+class WriteError(RunError):
+  """A file of the run could not be written (disk full, permissions): names the path and the errno text."""
+
+
+PREEMPTED_EXIT = 75   # os.EX_TEMPFAIL: a temporary failure; the same command resumes the run
+
+
+class Preempted(RunError):
+  """The run stopped on SIGTERM / SIGINT after writing a checkpoint; the same command resumes it.
+  The binaries exit with ``PREEMPTED_EXIT`` (``orchestration/preemption.py``)."""
+
+  def __init__(self, signame: str, phase: str, step: int, checkpoint: str):
+    super().__init__(f"stopped by {signame} after {phase} step {step}; checkpoint {checkpoint} written; "
+                     "run the same command to resume")
+    self.signame, self.phase, self.step, self.checkpoint = signame, phase, step, checkpoint

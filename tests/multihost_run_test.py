@@ -11,6 +11,8 @@ Marked ``multihost`` (README's test command runs this suite after the default on
 """
 import json
 import os
+import re
+import signal
 import time
 
 import pytest
@@ -108,6 +110,34 @@ def test_stalesync_across_processes_equals_one_process_also_resumed_on_another_c
   _run(tmp_path, "two", 1, 4, variant=":stalesync", steps=4)
   _assert_same_metrics(one, two, run_ends=(2,))
   assert _metrics(two)[-1]["queue/bytes_read_tokens"] > 0
+
+
+def test_sigterm_to_one_process_stops_both_after_the_same_step_and_they_resume_to_the_same_metrics(tmp_path):
+  """StaleSync across 2 processes; only process 1 gets SIGTERM. The processes agree on the step (each step
+  they exchange whether one was signalled), both take part in that step's checkpoint and exit with 75;
+  the same two commands resume, equal to one process run straight through."""
+  steps = 6
+  one = _run(tmp_path, "one", 1, 4, variant=":stalesync", steps=steps)
+  workdir = str(tmp_path / "two")
+  args = _args(workdir, variant=":stalesync", steps=steps)
+  run = launch.start("grpo_main.py", args, processes=2, devices=2, log_dir=str(tmp_path / "two_logs"))
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  run.wait_for(lambda: os.path.exists(metrics) and sum(1 for l in open(metrics) if l.strip()) >= 3,
+               RUN_TIMEOUT, "step 2 recorded")
+  run.signal(signal.SIGTERM, 1)
+  codes = run.wait(RUN_TIMEOUT)
+  logs = [run.log(i) for i in range(2)]
+  assert codes == [75, 75], (codes, [l[-3000:] for l in logs])
+  stops = [re.search(r"preempted: stopped by SIGTERM after RL step (\d+); checkpoint (\S+) written", l)
+           for l in logs]
+  assert all(stops), [l[-2000:] for l in logs]
+  step = int(stops[0].group(1))
+  assert int(stops[1].group(1)) == step and 2 <= step < steps
+  assert os.path.isdir(os.path.join(workdir, "checkpoints", str(step)))
+  assert max(json.loads(l)["step"] for l in open(metrics) if l.strip()) == step
+  run = launch.start("grpo_main.py", args, processes=2, devices=2, log_dir=str(tmp_path / "resume_logs"))
+  assert run.wait(RUN_TIMEOUT) == [0, 0], "\n".join(run.log(i)[-3000:] for i in range(2))
+  _assert_same_metrics(one, workdir)
 
 
 @pytest.mark.parametrize("mode", ["full", "separated", "hybrid"])

@@ -9,6 +9,10 @@ Sections:
   5. the RL loop (metrics and timeline every step, the divergence guard, checkpoints every N steps);
   6. summary (the last step's evaluation is the final one: it runs once).
 
+The workdir is held by one run at a time (``workdir_lock``), taken after the config validated and before
+the workdir is read. SIGTERM / SIGINT (``preemption``) end the warm-up or RL step in progress, then a
+checkpoint is written and ``errors.Preempted`` raised; a second signal ends the process at once.
+
 Of several processes (README, "Multi-host runs") every process runs all of this on its own devices:
 process 0 alone writes the workdir's files (``distributed.on_writer``; checkpoints are collective),
 each step's metrics are reduced across processes (``processes.reduce_metrics``) and the other processes'
@@ -16,6 +20,7 @@ timeline phases are gathered into process 0's file (``ProcessTimeline.gather``).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from collections.abc import Sequence
@@ -32,8 +37,9 @@ from rl_fusion_jax.models import value_model
 from rl_fusion_jax.checkpointing import abstract_like
 from rl_fusion_jax.config import ExperimentConfig
 from rl_fusion_jax.errors import ConfigError
-from rl_fusion_jax.orchestration import phases, processes, resume, stalesync
+from rl_fusion_jax.orchestration import phases, processes, resume, stalesync, workdir_lock
 from rl_fusion_jax.orchestration.guard import DivergenceGuard
+from rl_fusion_jax.orchestration.preemption import Preemption
 from rl_fusion_jax.orchestration.programs import Placement, Programs, make_placement
 from rl_fusion_jax.orchestration.setup import Setup, validate, write_json_atomic
 from rl_fusion_jax.timeline import Timeline, timeline_path
@@ -100,8 +106,8 @@ def _state_items(state, ref=None, critic=None) -> dict[str, Any]:
   return items
 
 
-def _validate(cfg: ExperimentConfig, workdir: str, tensorboard: bool, overrides: Sequence[str]):
-  """Section 1: every check that needs neither a compile nor a write; bad input is a ConfigError."""
+def _validate(cfg: ExperimentConfig, workdir: str, tensorboard: bool) -> Setup:
+  """Section 1: every check of the config that needs neither a compile nor a write (ConfigError)."""
   try:
     setup = validate(cfg, jax.device_count())
   except ConfigError:
@@ -112,7 +118,7 @@ def _validate(cfg: ExperimentConfig, workdir: str, tensorboard: bool, overrides:
     raise ConfigError("--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'")
   resume.check_workdir(workdir)
   distributed.check_same_config(resume.plain_config(cfg))
-  return setup, resume.inspect(workdir, cfg, overrides)
+  return setup
 
 
 def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False,
@@ -123,46 +129,47 @@ def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False,
   ``run.steps`` is 0) as a Hugging Face checkpoint folder there (``models.save_hf``), which
   ``model.hf_path`` loads: e.g. one warm-up shared by many RL runs.
   """
-  # 1. Validate before anything is compiled or written.
-  setup, prior = _validate(cfg, workdir, tensorboard, resume_overrides)
+  # 1. Validate before anything is compiled or written; hold the workdir; may this config continue it?
+  setup = _validate(cfg, workdir, tensorboard)
+  with contextlib.ExitStack() as stack:   # closed in reverse: pending saves complete (or fail) first
+    stack.enter_context(workdir_lock.hold(workdir))
+    prior = resume.inspect(workdir, cfg, resume_overrides)
+    preemption = stack.enter_context(Preemption())
 
-  # 2. Restore (reads; a corrupt newer checkpoint is moved aside only once an older one restored).
-  placement = make_placement(cfg)
-  restored = resume.restore(prior, _targets(cfg, placement))
+    # 2. Restore (reads; a corrupt newer checkpoint is moved aside only once an older one restored).
+    placement = make_placement(cfg)
+    restored = resume.restore(prior, _targets(cfg, placement))
 
-  # 3. Write the workdir (process 0 writes every file but the checkpoints), build the programs.
-  distributed.on_writer("prepare", resume.prepare, prior, cfg, setup.tokenizer, restored)
-  programs = Programs(setup, placement)
-  programs.verify.share = processes.Share.of_run()   # host scoring split by sample over the processes
-  d = programs.deployment
-  logging.info("mode %s: rollout mesh %s, training mesh %s (%s)", d.mode, dict(d.rollout_mesh.shape),
-               dict(d.train_mesh.shape), jax.devices()[0].platform)
-  timeline = processes.ProcessTimeline(timeline_path(workdir), d.groups)
-  rl_ckpt, warm_ckpt = resume.checkpointers(workdir, cfg.run.keep_checkpoints, create=True)
-  for c in (rl_ckpt, warm_ckpt):
-    if c.exists() and c.prune():
-      logging.info("resume: pruned %s to the newest %d checkpoints", c.directory, c.keep)
-  writer = (metrics_lib.make_writer(workdir, tensorboard) if distributed.is_writer()
-            else metrics_lib.MultiWriter([]))
-  try:   # pending asynchronous saves complete (or fail) before any error leaves run()
-    summary, state = _train(setup, programs, restored, timeline, rl_ckpt, warm_ckpt, writer)
+    # 3. Write the workdir (process 0 writes every file but the checkpoints), build the programs.
+    distributed.on_writer("prepare", resume.prepare, prior, cfg, setup.tokenizer, restored)
+    programs = Programs(setup, placement)
+    stack.callback(programs.verify.close)   # the verify stage's worker threads end with the run
+    programs.verify.share = processes.Share.of_run()   # host scoring split by sample over the processes
+    d = programs.deployment
+    logging.info("mode %s: rollout mesh %s, training mesh %s (%s)", d.mode, dict(d.rollout_mesh.shape),
+                 dict(d.train_mesh.shape), jax.devices()[0].platform)
+    timeline = processes.ProcessTimeline(timeline_path(workdir), d.groups)
+    writer = stack.enter_context(contextlib.closing(
+        metrics_lib.make_writer(workdir, tensorboard) if distributed.is_writer() else metrics_lib.MultiWriter([])))
+    rl_ckpt, warm_ckpt = resume.checkpointers(workdir, cfg.run.keep_checkpoints, create=True)
+    for c in (rl_ckpt, warm_ckpt):
+      stack.callback(c.close)
+      if c.exists() and c.prune():
+        logging.info("resume: pruned %s to the newest %d checkpoints", c.directory, c.keep)
+    summary, state = _train(setup, programs, restored, timeline, rl_ckpt, warm_ckpt, writer, preemption)
     if export_hf:   # every process gathers the params (a collective); process 0 writes them
       distributed.on_writer("export_hf", models.save_hf, cfg.model.config, distributed.fetch(state.params),
                             export_hf)
       logging.info("final policy written to %s", export_hf)
     timeline.gather()
-  finally:
-    rl_ckpt.close()
-    warm_ckpt.close()
-    writer.close()
-    programs.verify.close()   # the verify stage's worker threads end with the run
   distributed.on_writer("summary", write_json_atomic, os.path.join(workdir, "summary.json"), summary)
   logging.info("accuracy before RL %.3f -> after RL %.3f", summary["accuracy_before"],
                summary["accuracy_after"])
   return summary
 
 
-def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ckpt, warm_ckpt, writer):
+def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ckpt, warm_ckpt, writer,
+           preemption: Preemption):
   """Sections 4-6: warm start or resumed state, the RL loop, the summary."""
   cfg, d = setup.cfg, programs.deployment
   meta = restored.meta if restored is not None and restored.kind == "rl" else {}
@@ -184,7 +191,8 @@ def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ck
       c = restored.items["critic"]
       programs.critic.restore(c["params"], c["opt_state"], c["step"])
   else:
-    state, ref_resting, before = _warm_start(setup, programs, restored, warm_ckpt, timeline, evaluate)
+    state, ref_resting, before = _warm_start(setup, programs, restored, warm_ckpt, timeline, evaluate,
+                                             preemption)
     start, data_position, last_eval = 0, 0, {"step": 0, **before}
     writer.write(0, {f"eval/{k}": v for k, v in before.items()})
 
@@ -202,8 +210,16 @@ def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ck
         rl_ckpt.wait()   # a fetched device copy of a host-resident reference is released after the save
         d.release_aux(ref_now, name="reference")
 
+  def stop_if_asked(step: int, saved: bool):
+    """After the step: on a signal (any process's), checkpoint it unless just done, and stop."""
+    if preemption.should_stop():
+      if not saved:
+        save(step)
+      raise preemption.stopped("RL", step, rl_ckpt.step_path(step))
+
   if not meta:
     save(0)   # the warmed-up start: a resume never redoes the warm-up or the first evaluation
+    stop_if_asked(0, saved=True)
 
   # 5. The RL loop.
   progress = metrics_lib.Progress(cfg.run.steps, start, cfg.run.progress_every_s)
@@ -227,8 +243,11 @@ def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ck
     writer.write(step + 1, scalars)
     timeline.gather()
     progress.update(step + 1, scalars)
-    if step + 1 == cfg.run.steps or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0):
+    periodic = step + 1 == cfg.run.steps or (cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0)
+    if periodic:
       save(step + 1)
+    if step + 1 < cfg.run.steps:   # after the last step the run is complete: it ends as usual
+      stop_if_asked(step + 1, saved=periodic)
 
   # 6. Summary: the evaluation of the last step (run once, also when resumed at the end).
   after = {k: v for k, v in last_eval.items() if k != "step"}
@@ -239,21 +258,23 @@ def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ck
 
 
 def _warm_start(setup: Setup, programs: Programs, restored, warm_ckpt, timeline: Timeline,
-                evaluate: _Evaluator):
+                evaluate: _Evaluator, preemption: Preemption):
   """Warm-up (continued from its checkpoint when there is one) and the evaluation of the start ->
   (state, resting reference or None, evaluation)."""
   cfg, d = setup.cfg, programs.deployment
   guard = DivergenceGuard(cfg.run, "warm-up", **(restored.meta.get("guard", {}) if restored else {}))
   warm_state = _state_from(restored.items) if restored is not None else None
 
-  def save(step: int, state):
+  def save(step: int, state) -> str:
     warm_ckpt.save(step, _state_items(state), {
         "kind": "warmup", "step": step, "seed": cfg.run.seed, "config": resume.plain_config(cfg),
         "guard": guard.state(), "timeline_time": timeline.now()})
+    return warm_ckpt.step_path(step)
 
   with timeline.phase("warmup", group=d.train_group):
     params = phases.init_policy(setup, programs) if warm_state is None else None
-    params = phases.warmup(setup, programs, params, state=warm_state, save=save, guard=guard)
+    params = phases.warmup(setup, programs, params, state=warm_state, save=save, guard=guard,
+                           preemption=preemption)
   # The reference: a copy of the warmed-up policy made bucket by bucket where it rests (host memory in
   # ``full``, the aux mesh in ``hybrid``), never a whole device copy first.
   ref = (d.place_aux(params, programs.ref_param_shardings, keep_source=True) if cfg.algo.needs_reference

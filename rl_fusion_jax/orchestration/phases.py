@@ -53,13 +53,15 @@ def warmup_shardings(cfg, placement) -> state_lib.TrainState:
                                    placement.param_shardings, placement.mesh)
 
 
-def warmup(setup: Setup, programs: Programs, params, *, state=None, save=None, guard=None):
+def warmup(setup: Setup, programs: Programs, params, *, state=None, save=None, guard=None, preemption=None):
   """Supervised warm-up on the task's reference completions; returns the new params.
 
   ``state``: a restored warm-up TrainState to continue from (its ``step`` says how far it got).
   ``save(step, state)`` is called every ``warmup.checkpoint_every`` steps, after the guard has seen
   every update up to that step. Metrics are fetched every 16 steps (the bounded dispatch queue), and the
   divergence guard reads them then: with ``stop`` the run ends naming the first non-finite step.
+  ``preemption`` (``orchestration/preemption.py``): asked after every step; on a signal the step is
+  checkpointed (``save`` returns the checkpoint's path) and ``errors.Preempted`` raised.
   """
   cfg = setup.cfg
   if not cfg.warmup.steps:
@@ -77,7 +79,8 @@ def warmup(setup: Setup, programs: Programs, params, *, state=None, save=None, g
     state, m = sft_step(state, data.to_global(programs.mesh, tokens), data.to_global(programs.mesh, mask))
     pending.append(m)
     done = step + 1
-    checkpoint = every and done % every == 0
+    stop = preemption is not None and done < cfg.warmup.steps and preemption.should_stop()
+    checkpoint = (every and done % every == 0) or stop
     if done % 16 == 0 or done == cfg.warmup.steps or checkpoint:
       for i, host_m in enumerate(distributed.fetch(pending)):
         if guard is not None:
@@ -85,7 +88,9 @@ def warmup(setup: Setup, programs: Programs, params, *, state=None, save=None, g
       logging.info("warm-up step %d/%d loss %.4f", done, cfg.warmup.steps, float(pending[-1]["loss"]))
       pending = []
       if checkpoint and save is not None:
-        save(done, state)
+        path = save(done, state)
+        if stop:
+          raise preemption.stopped("warm-up", done, path)
   return state.params
 
 

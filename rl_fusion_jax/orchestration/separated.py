@@ -67,7 +67,7 @@ from rl_fusion_jax import models
 from rl_fusion_jax.config import ExperimentConfig
 from rl_fusion_jax.errors import ConfigError
 from rl_fusion_jax.fusion.deployment import make_deployment
-from rl_fusion_jax.orchestration import phases, resume, stalesync
+from rl_fusion_jax.orchestration import phases, resume, stalesync, workdir_lock
 from rl_fusion_jax.orchestration.guard import DivergenceGuard
 from rl_fusion_jax.orchestration.programs import Placement, Programs, make_placement
 from rl_fusion_jax.orchestration.setup import Setup, validate, write_json_atomic
@@ -739,7 +739,12 @@ def run(cfg: ExperimentConfig, workdir: str, options: Options = Options()) -> di
   role = jax.process_index()
   channel = Channel(options.timeout_s)
   channel.meet("checked", role)   # both checked the workdir before either writes to it
-  os.makedirs(workdir, exist_ok=True)
+  with workdir_lock.hold(workdir):   # one run per workdir (each process holds its own lock file)
+    return _run_side(cfg, workdir, options, setup, role, channel)
+
+
+def _run_side(cfg: ExperimentConfig, workdir: str, options: Options, setup, role: int, channel) -> dict[str, Any]:
+  """``run`` once the workdir is held: this process's side, then the shared summary."""
   programs = (Programs(setup, make_placement(cfg, per_process=False)) if role == ROLLOUT
               else Programs(setup, _trainer_placement(cfg)))
   d = programs.deployment
