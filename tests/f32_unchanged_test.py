@@ -15,7 +15,7 @@ several lm-head chunks or a remat policy reorder float32 sums: rounding-level di
 Why not stored values: this file used to compare against an .npz that the old code wrote on one machine.
 XLA:CPU picks its kernels by the processor's features (AVX2, AVX-512, AMX), so the same float32 program
 gives results ~1e-6 relative apart on another CPU: 58 of 96 stored log-probs differed, by up to 1.9e-6 on
-an Intel Xeon (AVX-512, AMX) and 3.8e-6 on an AMD EPYC (AVX2) (issue 25). A stored number is an oracle
+an Intel Xeon (AVX-512, AMX) and 3.8e-6 on an AMD EPYC (AVX2). A stored number is an oracle
 only for the processor that wrote it; a reference computed in the same run keeps the claim about the
 arithmetic on any CPU.
 """
