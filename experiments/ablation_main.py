@@ -74,6 +74,13 @@ VARIANTS = {   # name -> (binary, flags)
     "colocated_sync": ("grpo_main.py", ()),
     "colocated_stalesync": ("grpo_main.py", _stalesync(1, 0.5)),
 }
+# Selectable with --variants only (not in the default table): the staleness bound and the kept KV cache.
+EXTRA_VARIANTS = {
+    "colocated_stalesync_keep_cache": ("grpo_main.py", _stalesync(1, 0.5) + ("--config.rollout.keep_cache=True",)),
+    **{f"colocated_stalesync_s{s}": ("grpo_main.py", _stalesync(s, 0.5)) for s in (2, 3, 4)},
+    **{f"colocated_stalesync_s{s}_keep_cache": ("grpo_main.py", _stalesync(s, 0.5) + ("--config.rollout.keep_cache=True",))
+       for s in (2, 3, 4)},
+}
 COMMON = ("--config.rollout.num_slots=128", "--config.algo.policy_loss=decoupled_ppo",
           "--config.run.checkpoint_every=0", "--config.run.eval_every=0")
 
@@ -88,7 +95,7 @@ def workload_flags(name: str, warmup_hf: str) -> list[str]:
 
 
 def run_variant(workload: str, variant: str, workdir: str, warmup_hf: str, warm: int, steps: int) -> float:
-  binary, extra = VARIANTS[variant]
+  binary, extra = {**VARIANTS, **EXTRA_VARIANTS}[variant]
   args = (workload_flags(workload, warmup_hf) + [f"--workdir={workdir}", f"--compilation_cache={_CACHE.value}",
                                                  f"--config.run.steps={warm + steps}"]
           + list(COMMON) + list(extra) + list(common.QUICK_MODEL if _QUICK.value else ()))
@@ -163,9 +170,9 @@ def main(argv):
   quick = _QUICK.value
   workloads = ["longtail"] if quick else list(_WORKLOADS.value)
   variants = _VARIANTS.value or list(VARIANTS)
-  unknown = [v for v in variants if v not in VARIANTS]
+  unknown = [v for v in variants if v not in VARIANTS and v not in EXTRA_VARIANTS]
   if unknown:
-    raise app.UsageError(f"--variants: unknown {unknown}; known: {list(VARIANTS)}")
+    raise app.UsageError(f"--variants: unknown {unknown}; known: {list(VARIANTS) + list(EXTRA_VARIANTS)}")
   warm, steps, repeats = (0, 2, 1) if quick else (_WARM.value, _STEPS.value, _REPEATS.value)
   for w in workloads:
     workload_flags(w, "")          # unknown names fail before anything runs

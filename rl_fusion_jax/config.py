@@ -221,7 +221,11 @@ class RolloutConfig:
   top_k: int = 0            # 0 disables
   top_p: float = 1.0        # 1.0 disables
   num_slots: int = 0        # engine slots sharing the KV cache (0: one per sample of a step)
-  chunk_steps: int = 16     # decode steps per engine call between refills
+  chunk_steps: int = 16     # decode steps per engine call (slots refill on the device within one)
+  prefill_rows: int = 0     # rows a refill admits at once (0: a quarter of the slots)
+  # Samples carried into the next rollout phase keep their KV cache (computed under the weights they
+  # were sampled with) instead of having their prefix recomputed; the cache is then held through training.
+  keep_cache: bool = False
   # Benchmarks only: > 0 forces each training sample's response length (EOS ignored) to a clipped
   # log-normal draw with this median and sigma, seeded by (run.seed, sample id); 0 disables.
   forced_length_median: int = 0
@@ -229,6 +233,7 @@ class RolloutConfig:
 
   def __post_init__(self):
     _require(self.num_slots >= 0, "rollout.num_slots", f"must be >= 0, got {self.num_slots}")
+    _require(self.prefill_rows >= 0, "rollout.prefill_rows", f"must be >= 0, got {self.prefill_rows}")
     _require(self.num_slots % self.group_size == 0, "rollout.num_slots",
              f"{self.num_slots} is not a multiple of group_size {self.group_size}")
     for name in ("num_prompts", "group_size", "max_prompt_len", "max_new_tokens", "chunk_steps"):

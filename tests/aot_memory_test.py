@@ -47,7 +47,11 @@ def test_update_reference_and_decode_fit_their_bounds_at_1_5b(devices):
   ref = am.logprob_memory(cfg, mesh, ROWS * devices, WIDTH)
   assert ref["temp"] <= _bound(am.logprob_parts(cfg, ROWS, WIDTH)), ref
   decode = am.decode_memory(cfg, mesh, SLOTS, PROMPT, NEW)
-  parts = am.decode_parts(cfg, SLOTS // devices, PROMPT + NEW)
+  rows = am.refill_rows(mesh, SLOTS)
+  # The refill's prefill runs its rows split over the devices, at the prompt width; the outbox (2 x the
+  # slots) is replicated.
+  parts = am.decode_parts(cfg, SLOTS // devices, PROMPT + NEW, refill_rows=rows // devices, refill_width=PROMPT,
+                          outbox_rows=2 * SLOTS)
   assert decode["temp"] <= _bound(parts), (decode, parts)
 
 

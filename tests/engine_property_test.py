@@ -56,7 +56,7 @@ def scenarios(draw):
   targets = draw(st.lists(st.integers(1, 12), min_size=1, max_size=8))
   return dict(group_size=group_size, forced=forced, add_at=[c * group_size for c in cuts] + [n],
               num_slots=draw(st.sampled_from([8, 16])), chunk=draw(st.integers(1, 12)),
-              early_exit=draw(st.booleans()), keep_cache=draw(st.booleans()), mode=mode, targets=targets)
+              rows=draw(st.sampled_from([8, 16])), keep_cache=draw(st.booleans()), mode=mode, targets=targets)
 
 
 @settings(max_examples=50, deadline=None, derandomize=True,
@@ -64,8 +64,9 @@ def scenarios(draw):
 @given(scenarios())
 def test_every_request_returns_once_complete_and_unchanged(sc):
   mesh, shardings, params, toks, lens, ref = setup()
-  cfg = EngineConfig(SPEC, num_slots=sc["num_slots"], chunk_steps=sc["chunk"], prefill_rows=8,
-                     group_size=sc["group_size"], early_exit=sc["early_exit"], keep_cache=sc["keep_cache"])
+  cfg = EngineConfig(SPEC, num_slots=sc["num_slots"], chunk_steps=sc["chunk"],
+                     prefill_rows=min(sc["rows"], sc["num_slots"]), group_size=sc["group_size"],
+                     keep_cache=sc["keep_cache"])
   engine = Engine(cfg, mesh, shardings)
   forced, g = np.asarray(sc["forced"]), sc["group_size"]
   added_in_run, returned, start, run_index = {}, [], 0, 0

@@ -8,6 +8,7 @@ import pytest
 
 from rl_fusion_jax import models
 from rl_fusion_jax.config import MeshConfig
+from rl_fusion_jax.rollout import engine as engine_lib, slots
 from rl_fusion_jax.rollout.decode import GenerateSpec
 from rl_fusion_jax.rollout.engine import Engine, EngineConfig, Request
 from rl_fusion_jax.rollout.sampling import SamplingParams
@@ -132,8 +133,10 @@ def test_finish_groups_waits_and_returns_every_complete_group():
   # Forced lengths (EOS ignored) make the schedule exact; chunk_steps=3, queue empty after each refill.
   engine = make_engine(chunk_steps=3)
   engine.add(requests((2, 2, 2, 3, 8, 8, 10, 10)))     # groups 0..3
-  first = engine.run(params(0), 5, target_groups=1)     # plain: 3 full steps; groups 0 and 1 complete
-  assert first.group_id_b.tolist() == [0, 0] and first.stats["decode_steps"] == 3
+  # All 8 start in one refill (rows of 8 over the 8 devices). Plain target: the chunk ends at step 2,
+  # where group 0 (2, 2) completes; sample 2 finished with it, sample 3 (3) has 2 tokens.
+  first = engine.run(params(0), 5, target_groups=1)
+  assert first.group_id_b.tolist() == [0, 0] and first.stats["decode_steps"] == 2
   assert engine.group_min_versions() == {1: 5, 2: 5, 3: 5}
   engine.add(requests((10, 10), first_id=8))            # group 4, queued: no token yet
   assert engine.group_ids() == [1, 2, 3, 4] and engine.group_min_versions()[4] is None
@@ -144,17 +147,20 @@ def test_finish_groups_waits_and_returns_every_complete_group():
     with pytest.raises(ValueError, match="finish_groups needs target_groups"):
       engine.run(params(1), 7, **kw)
 
-  # Group 1 is already complete; the run waits for group 2 (5 more steps, the chunk ends right there)
-  # and returns both, in completion order.
+  # Group 4 fills two free slots; group 1 completes at step 1 (sample 3's third token), and the run
+  # waits for group 2 (8 - 2 = 6 more steps: chunks of 3 and 3, ending right there) and returns both,
+  # in completion order.
   second = engine.run(params(1), 7, target_groups=1, finish_groups={2})
   assert second.group_id_b.tolist() == [1, 1, 2, 2] and second.rollout.sample_id_b.tolist() == [2, 3, 4, 5]
-  assert second.stats["decode_steps"] == 5 and versions_of(second) == {1: 5, 2: 5}
+  assert second.stats["decode_steps"] == 6 and second.stats["decode_chunks"] == 2
+  assert versions_of(second) == {1: 5, 2: 5}
   np.testing.assert_array_equal(second.rollout.version_bt[2:, :P + 8].max(axis=1), 7)
   assert engine.group_min_versions() == {3: 5, 4: 7} and engine.num_in_flight == 4
 
-  # An empty finish set: two complete groups, then every complete group comes back (3 at step 2, 4 at 5).
+  # An empty finish set: two complete groups, then every complete group comes back (group 3 needs 10 - 8
+  # = 2 more steps, group 4 10 - 6 = 4).
   third = engine.run(params(2), 9, target_groups=2, finish_groups=())
-  assert third.group_id_b.tolist() == [3, 3, 4, 4] and third.stats["decode_steps"] == 5
+  assert third.group_id_b.tolist() == [3, 3, 4, 4] and third.stats["decode_steps"] == 4
   assert versions_of(third) == {3: 5, 4: 7} and engine.group_min_versions() == {}
 
   engine.add([Request(20, 9, [3])])                    # 1 of group_size=2 samples: can never complete
@@ -163,9 +169,10 @@ def test_finish_groups_waits_and_returns_every_complete_group():
 
 
 def test_a_chunk_fetches_flags_and_finished_rows_not_the_slot_state(monkeypatch):
-  # Per chunk the host reads [S] flags and lengths and two counters; per-token data only as the packed
-  # rows [shards * K, 3T + 4] of slots that finished (K <= slots per shard), never a [S, T] field.
-  # The oldest version of each in-flight sample, kept on the host, equals the one in the slot state.
+  # Per chunk the host reads [S] flags, lengths and sample ids, the outbox's [O] sample ids and scalar
+  # counters; per-token data only as the outbox [O, 3T + 4] of the samples that finished (O = S + the
+  # S uploaded requests), never a [S, T] field. The oldest version of each in-flight sample, kept on
+  # the host, equals the one in the slot state.
   fetched = []
   real_get = jax.device_get
   monkeypatch.setattr(jax, "device_get", lambda x: fetched.append(jax.tree.leaves(x)) or real_get(x))
@@ -176,8 +183,8 @@ def test_a_chunk_fetches_flags_and_finished_rows_not_the_slot_state(monkeypatch)
     engine.run(jax.device_put(params(version), setup(mesh_cfg)[1]), version, target_groups=1)
   seq_len = SPEC.seq_len
   shapes = [tuple(x.shape) for leaves in fetched for x in leaves]
-  assert (8, seq_len) not in shapes and any(s[1:] == (3 * seq_len + 4,) for s in shapes)
-  assert all(s in ((), (8,)) or (s[1:] == (3 * seq_len + 4,) and s[0] in (4, 8)) for s in shapes), shapes
+  assert (8, seq_len) not in shapes and (16, 3 * seq_len + 4) in shapes
+  assert all(s in ((), (8,), (16,), (16, 3 * seq_len + 4)) for s in shapes), shapes
   monkeypatch.setattr(jax, "device_get", real_get)
   host = jax.device_get(engine._state)
   for s, request in enumerate(engine._occupant):
@@ -185,10 +192,11 @@ def test_a_chunk_fetches_flags_and_finished_rows_not_the_slot_state(monkeypatch)
       start, length = int(host.prompt_len_s[s]), int(host.response_len_s[s])
       oldest = int(host.version_st[s, start:start + length].min()) if length else None
       assert engine._min_version_s[s] == oldest and length == engine._response_len_s[s]
+      assert request.sample_id == host.sample_id_s[s]
   assert engine.num_in_flight and {1, 0} & set(engine._min_version_s)
-  # The shard-local gather returns exactly the slot state's rows, in the order asked for.
-  slot_k = [7, 0, 5, 2, 3]     # shards 3, 0, 2, 1, 1 (2 slots each): the gather pads to 2 rows a shard
-  for s, row in zip(slot_k, engine._fetch_rows(slot_k)):
+  # A packed row (what the outbox holds) unpacks to exactly the slot state's row, dtypes included.
+  rows = engine_lib._unpack_rows(np.asarray(slots.pack_rows(host)), seq_len)
+  for s, row in enumerate(rows):
     for name, value in row.items():
       np.testing.assert_array_equal(value, getattr(host, name)[s], err_msg=name)
       assert np.asarray(value).dtype == getattr(host, name).dtype, name

@@ -55,7 +55,7 @@ def test_make_requests_groups_share_a_prompt():
 def test_schedules_generate_the_same_tokens_in_the_expected_steps():
   mesh, shardings, params = setup()
   spec = GenerateSpec(CFG, SamplingParams(1.0), 4, 12, eos_id=0)
-  base = EngineConfig(spec, num_slots=8, chunk_steps=4, prefill_rows=8, group_size=2)
+  base = EngineConfig(spec, num_slots=16, chunk_steps=4, prefill_rows=8, group_size=2)
   forced = [12, 1, 1, 1, 1, 1, 1, 1,  2, 2, 2, 2, 2, 2, 2, 2,  30, 3, 3, 3, 3, 3, 3, 3]
   requests = workload.make_requests(np.random.default_rng(0), forced, group_size=2, prompt_len=4,
                                     vocab_size=64)
@@ -64,11 +64,11 @@ def test_schedules_generate_the_same_tokens_in_the_expected_steps():
   for row in out.values():
     # min(forced, 12) summed: 12 + 7 * 1 + 8 * 2 + 12 + 7 * 3 = 68
     assert row["generated_tokens"] == 68
-  # Static: three batches of 8, each runs until its longest sample: 12 + 2 + 12 = 26 steps.
-  assert out["static"]["decode_steps"] == 26
-  # Continuous: the 12-step sample of batch 1 and the 12-step sample of batch 3 overlap, so the whole
-  # run takes fewer steps than static.
-  assert out["continuous"]["decode_steps"] < 26
+  # Static: two batches of 16, each runs until its longest sample: 12 + 12 = 24 steps.
+  assert out["static"]["decode_steps"] == 24
+  # Continuous (refills of 8 rows once 8 slots are free): samples 0-15 start at once; after step 2
+  # fifteen slots are free and samples 16-23 start; the longest of them (12) ends at step 2 + 12 = 14.
+  assert out["continuous"]["decode_steps"] == 14
   assert out["partial"]["reprefill_rows"] > 0 and out["partial_keep_cache"]["reprefill_rows"] == 0
   with pytest.raises(ValueError, match="schedule"):
     workload.schedule_config(base, "eager")

@@ -66,7 +66,7 @@ def get_config(arg: str = ""):
       verify_workers=1, prompt_format="plain", system_prompt=""))
   c.rollout = ml_collections.ConfigDict(dict(
       num_prompts=16, group_size=8, max_prompt_len=8, max_new_tokens=6, temperature=1.0, top_k=0,
-      top_p=1.0, num_slots=0, chunk_steps=16))
+      top_p=1.0, num_slots=0, chunk_steps=16, prefill_rows=0, keep_cache=False))
   c.algo = ml_collections.ConfigDict(dict(
       advantage="grpo", policy_loss="ppo_clip", clip_low=0.2, clip_high=0.2, dual_clip=None,
       kl_coef=0.0, kl_estimator="k3", kl_mode="loss", entropy_coef=0.0, aggregation="token-mean",

@@ -50,7 +50,7 @@ def get_config(arg: str = ""):
       verify_workers=1))
   c.rollout = ml_collections.ConfigDict(dict(
       num_prompts=16, group_size=8, max_prompt_len=384, max_new_tokens=512, temperature=1.0, top_k=0,
-      top_p=1.0, num_slots=0, chunk_steps=32))
+      top_p=1.0, num_slots=0, chunk_steps=32, prefill_rows=0, keep_cache=False))
   c.algo.kl_coef = 0.0
   c.optim = ml_collections.ConfigDict(dict(
       learning_rate=1e-6, b1=0.9, b2=0.99, weight_decay=0.0, grad_clip=1.0, warmup_steps=10,

@@ -237,15 +237,19 @@ def generation_phase(programs: Programs, state, step: int, timeline: Timeline, r
       metrics |= programs.critic.unpark()
   tokens = float(result.stats.get("generated_tokens", 0))
   metrics |= {"generate_s": generate_s, "generate_tokens_per_s": tokens / generate_s,
+              # rollout.keep_cache: the KV cache the engine holds through training (0 otherwise).
+              "engine/held_cache_bytes": float(programs.engine.held_cache_bytes),
               "engine/generated_tokens": tokens,
               "engine/slot_utilization": float(result.stats.get("slot_utilization", 0.0)),
               "engine/kv_cache_bytes": float(kv_cache_bytes(programs.cfg)),
               "engine/decode_steps": float(result.stats.get("decode_steps", 0)),
-              # Decode chunks (one host round trip each), prefill calls, and the rows they inserted (new
-              # samples) or recomputed (samples carried in flight from the previous phase); the simulator's
-              # cost fit (rl_fusion_jax/sim/fit.py) reads the chunk and call counts.
+              # Decode chunks (one host round trip each), host prefill calls (recomputing the prefixes of
+              # samples carried in flight from the previous phase: reprefill_rows), refills inside the
+              # chunks (admitting prefill_rows new samples), the rows x width all prefills processed; the
+              # simulator's cost fit (rl_fusion_jax/sim/fit.py) reads the chunk, call and refill counts.
               **{f"engine/{k}": float(result.stats.get(k, 0))
-                 for k in ("decode_chunks", "prefill_calls", "prefill_rows", "reprefill_rows")}}
+                 for k in ("decode_chunks", "prefill_calls", "refill_prefills", "prefill_tokens", "prefill_rows",
+                           "reprefill_rows")}}
   return state, result, metrics
 
 
@@ -422,7 +426,8 @@ def rl_step(setup: Setup, programs: Programs, state, ref_resting, step: int, tim
 
 
 SUMMED_OVER_ROUNDS = ("generate_s", "engine/generated_tokens", "engine/decode_steps", "engine/decode_chunks",
-                      "engine/prefill_calls", "engine/prefill_rows", "engine/reprefill_rows")
+                      "engine/prefill_calls", "engine/refill_prefills", "engine/prefill_tokens",
+                      "engine/prefill_rows", "engine/reprefill_rows")
 
 
 def _generate_round(setup: Setup, programs: Programs, state, step: int, timeline: Timeline, first: int):

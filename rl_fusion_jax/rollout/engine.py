@@ -8,22 +8,22 @@ waits for named groups and then returns every complete group: the hook of a boun
 which reads ``group_min_versions()`` to find the groups about to become too stale. ``state_dict()`` /
 ``load_state_dict()`` carry all of this host state (not the KV cache) across a restart.
 
-The device programs live in ``slots.py``; this module only decides which request goes to which slot, once
-per chunk of decode steps.
+The device programs live in ``slots.py``; this module keeps the host's view (which request sits in which
+slot, what finished, each sample's oldest token version) and decides what each chunk is given.
 
-One run is a loop of: collect the slots that finished -> stop if the target is met -> refill free slots
-from the queue (``refill='continuous'``: any free slot; ``'static'``: only when every slot is free, the
-batch-at-a-time baseline) -> decode a chunk of at most ``chunk_steps`` steps -> fetch what the host needs
-to decide (each slot's done flag and response length, and the chunk's step and token counts: 2 x S + 2
-numbers). Collecting finished slots dispatches a gather of their rows only (each batch shard gathers its
-own, padded to a power-of-two count), read after the next chunk is dispatched, so that transfer overlaps
-the decode. Nothing is read back per token, and the full slot state never is inside a run. The oldest
-token version of each in-flight sample is kept on the host from the response lengths (each chunk's
-tokens carry the run's version). With ``early_exit`` (the
-default) a continuous chunk also ends as soon as ``prefill_rows`` slots (or as many as there are queued
-prompts) finished, so free slots wait for at most one prefill call's worth of company, not for K steps;
-and a run with ``target_samples`` ends its last chunk as soon as the target is met (with ``finish_groups``:
-as soon as enough in-flight samples finished that it could be met, a lower bound counted on the host).
+One run: re-prefill the samples carried in flight from the previous run (host prefill calls of
+``prefill_rows`` rows; none with ``keep_cache``), then chunks (``slots.run_chunk``) until the target is
+met or nothing is left. A chunk is one dispatch and one fetch: the first ``num_slots`` queued requests
+are uploaded with the target (per tracked group, how many samples it still needs); on the device, before
+every decode step, the finished samples move to an outbox and free slots refill from the upload once
+``min(prefill_rows, requests left)`` are free (``refill='static'``: only when every slot is free, the
+batch-at-a-time baseline), and the chunk ends after ``chunk_steps`` steps, at the step that meets the
+target, when nothing is left, or when the upload is spent and a refill is due. The host then fetches each
+slot's done flag, response length and sample id, the outbox's sample ids and the counters (3 x S + O + 6
+numbers); the outbox rows themselves ([O, 3T + 4], O = 2 x slots) are read after the next chunk is
+dispatched, so that transfer overlaps the decode. Nothing is read back per token, and the full slot
+state never is inside a run. The oldest token version of each in-flight sample is kept on the host from
+the response lengths (each chunk's tokens carry the run's version).
 
 Determinism: the engine's base key comes from ``seed`` and token t of a sample is drawn with key
 (seed, sample id, t), always from the logits of one decode step. Under fixed weights a sample's tokens
@@ -46,19 +46,18 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
+import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
-import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
 from rl_fusion_jax.distributed import fetch, put
 from rl_fusion_jax.rollout import slots
 from rl_fusion_jax.rollout.decode import GenerateSpec
-from rl_fusion_jax.sharding.mesh import BATCH_AXES, batch_shards, replicated
+from rl_fusion_jax.sharding.mesh import batch_shards
 from rl_fusion_jax.sharding.rules import GENERATE_RULES, Rules
 from rl_fusion_jax.types import Rollout
 
@@ -83,7 +82,6 @@ class EngineConfig:
   seed: int = 0
   refill: str = "continuous"
   keep_cache: bool = False
-  early_exit: bool = True    # end a chunk once a prefill call's worth of slots (or the queue) can refill
 
   def __post_init__(self):
     for name in ("num_slots", "chunk_steps", "group_size"):
@@ -162,12 +160,12 @@ class Engine:
       raise ValueError(f"EngineConfig.prefill_rows: {rows} is not a multiple of the {shards} batch shards")
     self.cfg, self.rows = cfg, rows
     leaves, treedef = jax.tree.flatten(param_shardings)
-    self.programs = slots.programs(cfg.spec, cfg.num_slots, rows, mesh, treedef, tuple(leaves), rules)
+    self.programs = slots.programs(cfg.spec, cfg.num_slots, rows, mesh, treedef, tuple(leaves), rules,
+                                   cfg.refill == "static")
     self._rng = jax.random.key(cfg.seed)
     self._state = self.programs.empty()
     self._shards = shards
-    self._gather = _row_gatherer(mesh, jax.tree.map(lambda x: x.sharding, self._state), cfg.num_slots,
-                                 cfg.spec.seq_len)
+    self._widths_ready = False                   # every re-prefill width compiled (``_compile_widths``)
     # Host view of the slot state as of the last fetch: done flags, response lengths, and the oldest
     # version among each occupant's generated tokens (None: none yet).
     self._done_s = np.ones((cfg.num_slots,), bool)
@@ -178,7 +176,7 @@ class Engine:
     self._occupant: list[Request | None] = [None] * cfg.num_slots
     self._queue: collections.deque[Request] = collections.deque()
     self._finished: list[_Finished] = []
-    self._unread: list = []                      # (finished entries, their gathered rows on the device)
+    self._unread: list = []                      # (finished entries, the chunk's outbox on the device)
     self._ids: set[int] = set()                  # live samples: queued, in flight, or not yet returned
     self._group_added: collections.Counter = collections.Counter()
     self._group_returned: collections.Counter = collections.Counter()
@@ -279,22 +277,20 @@ class Engine:
     t0, stats = time.perf_counter(), collections.Counter()
     version = put(np.asarray(policy_version, np.int32), self.programs.replicated)
     with jax.transfer_guard_device_to_host("disallow"):   # explicit fetches only (see the module docstring)
-      while True:
-        self._collect(stats)
-        if self._target_met(target) or not (self._queue or self.num_in_flight):
-          break
+      while not self._target_met(target) and (self._queue or self.num_in_flight):
         if self._cache is None:
           self._cache, self._kv_valid = self.programs.init_cache(), False
         if not self._kv_valid:
           self._reprefill(params, stats)
           self._kv_valid = True
-        self._refill(params, stats)
-        self._decode(params, version, policy_version, target, stats)
+        self._chunk(params, version, policy_version, target, stats)
       self._read_rows()
     result = self._take(target)
     if not self.cfg.keep_cache and self._cache is not None:
       jax.tree.map(lambda x: x.delete(), self._cache)
       self._cache, self._kv_valid = None, False
+    if self.num_in_flight and not self._kv_valid and not self._widths_ready:
+      self._compile_widths(params)    # the next run re-prefills: no compile inside it
     stats.update(seconds=time.perf_counter() - t0, returned=len(result[1]), in_flight=self.num_in_flight,
                  queued=len(self._queue), unreturned=len(self._finished))
     stats["slot_utilization"] = stats["generated_tokens"] / max(1, stats["decode_steps"] * self.cfg.num_slots)
@@ -396,7 +392,8 @@ class Engine:
              "flight.slot": np.asarray(slot_f, np.int32),
              "flight.group_id": np.asarray([self._occupant[s].group_id for s in slot_f], np.int32),
              "done.group_id": np.asarray([f.group_id for f in done], np.int32),
-             "done.chunk": np.asarray([f.order[0] for f in done], np.int64)}
+             "done.chunk": np.asarray([f.order[0] for f in done], np.int64),
+             "done.rank": np.asarray([f.order[1] for f in done], np.int64)}
     for name in _SLOT_FIELDS:
       state[f"flight.{name}"] = (np.asarray(getattr(host, name))[slot_f] if slot_f
                                  else _empty_rows(name, self.cfg.spec.seq_len))
@@ -420,9 +417,12 @@ class Engine:
     self._check_state(state)
     self._queue = collections.deque(_requests(state, "queue.", "prompt_qp"))
     self._restore_slots(state)
-    self._finished = [
-        _Finished((int(chunk), int(row["sample_id_s"])), int(g), row)
-        for chunk, g, row in zip(state["done.chunk"], state["done.group_id"], _rows(state, "done."))]
+    rows = _rows(state, "done.")
+    # Completion order: (chunk, position in its outbox); states written before "done.rank" ranked a chunk's
+    # samples by id.
+    ranks = state.get("done.rank", [row["sample_id_s"] for row in rows])
+    self._finished = [_Finished((int(chunk), int(rank)), int(g), row)
+                      for chunk, rank, g, row in zip(state["done.chunk"], ranks, state["done.group_id"], rows)]
     self._group_added, self._group_returned = (
         collections.Counter({int(g): int(n) for g, n in np.asarray(state[f"groups.{name}"])})
         for name in ("added", "returned"))
@@ -464,77 +464,105 @@ class Engine:
 
   # -- slots: the host side of slots.py's programs -------------------------------------------------
 
-  def _collect(self, stats) -> None:
-    """Moves every occupied slot that is done (as of the last fetch) to the finished list and dispatches
-    the gather of their rows (counted in ``row_fetches``); ``_read_rows`` reads them after the next chunk
-    is dispatched, so the transfer is off the host's critical path. Completion order, group ids and
-    targets need no row."""
-    done = sorted((s for s, r in enumerate(self._occupant) if r is not None and self._done_s[s]),
-                  key=lambda s: self._occupant[s].sample_id)
-    if not done:
-      return
-    new = [_Finished((self._chunks, self._occupant[s].sample_id), self._occupant[s].group_id, None)
-           for s in done]
-    self._unread.append((new, self._gather_rows(done)))
-    for s in done:
-      self._occupant[s] = None
-    self._finished.extend(new)
-    stats["row_fetches"] += 1
+  def _chunk(self, params, version, policy_version: int, target: _Target | None, stats) -> None:
+    """Dispatches one chunk (``slots.run_chunk``: decode steps with refill and the target test on the
+    device), reads the outbox of the chunk before it (``_read_rows``: its transfer overlaps this chunk),
+    then fetches what the host needs to keep its view: each slot's done flag, response length and sample
+    id, the outbox's sample ids and counters (3 x S + O + 5 numbers)."""
+    pending = list(itertools.islice(self._queue, self.programs.pending_rows))
+    group_index, group_s, remaining_g = self._group_table(pending)
+    args = self._chunk_inputs(pending, group_index, remaining_g, target)
+    self._state, self._cache, outbox, *counters = self.programs.chunk(
+        params, self._cache, self._state, put(group_s, self.programs.state_shardings.done_s), *args,
+        self._rng, version)
+    self._read_rows()     # the previous chunk's finished rows: read while this one decodes
+    t = self.cfg.spec.seq_len
+    done_s, response_len_s, sample_id_s, out_ids, out_n, taken, steps, tokens, refills, refill_tokens = fetch(
+        (self._state.done_s, self._state.response_len_s, self._state.sample_id_s, outbox[:, 3 * t + 3],
+         *counters))
+    by_id = {r.sample_id: r for r in self._occupant if r is not None}
+    for _ in range(int(taken)):
+      request = self._queue.popleft()
+      by_id[request.sample_id] = request
+    entries = [_Finished((self._chunks, i), by_id[int(sid)].group_id, None)
+               for i, sid in enumerate(out_ids[:int(out_n)])]
+    if entries:
+      self._finished.extend(entries)
+      self._unread.append((entries, outbox))
+    for s in range(self.cfg.num_slots):
+      old = self._occupant[s]
+      new = None if done_s[s] else by_id[int(sample_id_s[s])]
+      if new is None or response_len_s[s] == 0:
+        version_s = None
+      elif new is old:
+        sampled = response_len_s[s] > self._response_len_s[s]
+        version_s = self._min_version_s[s] if not sampled else policy_version if self._min_version_s[s] is None \
+            else min(self._min_version_s[s], policy_version)
+      else:
+        version_s = policy_version   # admitted in this chunk: every token it has is of this run
+      self._occupant[s], self._min_version_s[s] = new, version_s
+    self._done_s, self._response_len_s = np.array(done_s), np.array(response_len_s)
+    self._chunks += 1
+    stats.update(decode_chunks=1, decode_steps=int(steps), generated_tokens=int(tokens),
+                 refill_prefills=int(refills), prefill_rows=int(taken), prefill_tokens=int(refill_tokens))
+
+  def _group_table(self, pending: list[Request]):
+    """The groups a chunk tracks (those of in-flight and uploaded samples, in that order) -> ({group id:
+    index}, each slot's group index (G: empty), samples each group still needs before it is complete)."""
+    size, num_groups = self.cfg.group_size, self.programs.num_groups
+    index: dict[int, int] = {}
+    for r in [r for r in self._occupant if r is not None] + pending:
+      index.setdefault(r.group_id, len(index))
+    finished = collections.Counter(f.group_id for f in self._finished)
+    remaining_g = np.full((num_groups,), np.iinfo(np.int32).max, np.int32)
+    for g, i in index.items():
+      # A group split by an earlier target_samples run never completes here (_complete_groups).
+      remaining_g[i] = size - finished[g] if not self._group_returned[g] else np.iinfo(np.int32).max
+    group_s = np.asarray([num_groups if r is None else index[r.group_id] for r in self._occupant], np.int32)
+    return index, group_s, remaining_g
+
+  def _chunk_inputs(self, pending: list[Request], index: dict[int, int], remaining_g, target: _Target | None):
+    """(Pending, ChunkTarget, step budget) on the device, replicated."""
+    rows, width, big = self.programs.pending_rows, self.cfg.spec.max_prompt_len, np.iinfo(np.int32).max
+    prompt_qp = np.zeros((rows, width), np.int32)
+    column = lambda fn: np.asarray([fn(r) for r in pending] + [0] * (rows - len(pending)), np.int32)
+    for i, r in enumerate(pending):
+      prompt_qp[i, :len(r.prompt)] = r.prompt
+    pend = slots.Pending(prompt_qp=prompt_qp, prompt_len_q=column(lambda r: len(r.prompt)),
+                         sample_id_q=column(lambda r: r.sample_id), forced_len_q=column(lambda r: r.forced_len or 0),
+                         group_q=column(lambda r: index[r.group_id]), count=np.int32(len(pending)))
+    awaited_g = np.zeros((self.programs.num_groups,), bool)
+    need_groups, need_samples, blocked = 0, 0, False
+    if target is not None and target.kind == "samples":
+      need_samples = target.n - len(self._finished)
+    elif target is not None:
+      complete = set(self._complete_groups())
+      need_groups = target.n - len(complete)
+      for g in (target.finish or frozenset()) - complete:
+        if g in index:
+          awaited_g[index[g]] = True
+        else:
+          blocked = True   # its samples are all queued beyond this chunk's upload
+    goal = slots.ChunkTarget(remaining_g=remaining_g, awaited_g=awaited_g, need_groups=np.int32(need_groups),
+                             need_samples=np.int32(min(need_samples, big)), blocked=np.bool_(blocked),
+                             armed=np.bool_(target is not None),
+                             more_queued=np.bool_(len(self._queue) > len(pending)))
+    return put((pend, goal, np.int32(self.cfg.chunk_steps)), self.programs.replicated)
 
   def _read_rows(self) -> None:
-    """Reads every gathered batch of rows (one transfer each) into its finished entries, then hands each
+    """Reads every outbox not yet read (one transfer each) into its finished entries, then hands each
     batch to ``on_finished``."""
-    for entries, (packed, positions) in self._unread:
-      for f, row in zip(entries, _unpack_rows(fetch(packed)[positions], self.cfg.spec.seq_len)):
+    for entries, outbox in self._unread:
+      for f, row in zip(entries, _unpack_rows(fetch(outbox)[:len(entries)], self.cfg.spec.seq_len)):
         f.row = row
       if self.on_finished is not None:
         self.on_finished(_stack([f.row for f in entries], self.cfg.spec.seq_len),
                          np.asarray([f.group_id for f in entries], np.int32))
     self._unread = []
 
-  def _fetch_rows(self, slot_k: list[int]) -> list[dict]:
-    """Host rows (``_ROW_FIELDS``) of slots ``slot_k`` now, in that order (gather, then one transfer)."""
-    packed, positions = self._gather_rows(slot_k)
-    return _unpack_rows(fetch(packed)[positions], self.cfg.spec.seq_len)
-
-  def _gather_rows(self, slot_k: list[int]) -> tuple[jax.Array, list[int]]:
-    """Dispatches the gather of slots ``slot_k`` (non-empty) -> (packed rows on the device, the position
-    of each requested slot's row in them).
-
-    Each batch shard gathers its own rows (no cross-device traffic); the per-shard row count is padded
-    to a power of two (at most the shard's slots): one compile per size (``_RowGather``).
-    """
-    local = self.cfg.num_slots // self._shards
-    rows = [[] for _ in range(self._shards)]    # per shard: local row indices
-    where = []                                  # per requested slot: (shard, position in its list)
-    for s in slot_k:
-      where.append((s // local, len(rows[s // local])))
-      rows[s // local].append(s % local)
-    size = min(local, 1 << (max(map(len, rows)) - 1).bit_length())
-    index_bk = np.zeros((self._shards, size), np.int32)
-    for b, r in enumerate(rows):
-      index_bk[b, :len(r)] = r
-    return self._gather(self._state, index_bk), [b * size + j for b, j in where]
-
-  def _refill(self, params, stats) -> None:
-    free = [s for s, r in enumerate(self._occupant) if r is None]
-    if self.cfg.refill == "static" and len(free) < self.cfg.num_slots:
-      return
-    batch = []
-    while free and self._queue:
-      slot, request = free.pop(0), self._queue.popleft()
-      self._occupant[slot] = request
-      self._done_s[slot], self._response_len_s[slot], self._min_version_s[slot] = False, 0, None
-      batch.append((slot, request))
-    for start in range(0, len(batch), self.rows):
-      chunk = batch[start:start + self.rows]
-      stats["prefill_rows"] += len(chunk)
-      # A new sample's prefix is its prompt but the last token, which the first decode step processes.
-      need = max(len(request.prompt) for _, request in chunk) - 1
-      self._prefill(params, chunk, True, slots.prefill_width(self.programs.widths, need), stats)
-
   def _reprefill(self, params, stats) -> None:
-    """Recomputes the KV of every in-flight prefix (prompt + response so far) under ``params``."""
+    """Recomputes the KV of every in-flight prefix (prompt + response so far) under ``params``: calls of
+    ``rows`` rows, shortest prefixes first, each at the narrowest width that holds its longest prefix."""
     need = {s: len(r.prompt) + int(self._response_len_s[s]) - 1
             for s, r in enumerate(self._occupant) if r is not None}
     order = sorted(need, key=need.get)
@@ -543,6 +571,17 @@ class Engine:
       width = slots.prefill_width(self.programs.widths, need[chunk[-1]])
       self._prefill(params, [(s, self._occupant[s]) for s in chunk], False, width, stats)
       stats["reprefill_rows"] += len(chunk)
+
+  def _compile_widths(self, params) -> None:
+    """Runs every re-prefill width once on a scratch cache and slot state (every row dropped), so no run
+    compiles one (``prefill_widths``: one compile each)."""
+    stats = collections.Counter()
+    state, cache = self._state, self._cache
+    self._state, self._cache = self.programs.empty(), self.programs.init_cache()
+    for width in self.programs.widths:
+      self._prefill(params, [], False, width, stats)
+    jax.block_until_ready((self._state, self._cache))
+    self._state, self._cache, self._widths_ready = state, cache, True
 
   def _prefill(self, params, batch, is_new: bool, width: int, stats) -> None:
     """One fixed-shape prefill call; rows past ``len(batch)`` point at slot S and are dropped."""
@@ -560,55 +599,9 @@ class Engine:
                             self.programs.row_shardings)
     self._state, self._cache = self.programs.prefill[width](params, self._cache, self._state, *inputs)
     stats["prefill_calls"] += 1
+    stats["prefill_tokens"] += rows * width
     if stats["prefill_calls"] % _PREFILLS_PER_BLOCK == 0:
       jax.block_until_ready(self._state)
-
-  def _decode(self, params, version, policy_version: int, target, stats) -> None:
-    """Dispatches one chunk, reads the rows gathered before it (``_read_rows``), then the per-chunk fetch:
-    done flags, response lengths and the two counters."""
-    min_done = self.cfg.num_slots + 1     # never: run the full chunk
-    if self.cfg.early_exit and self.cfg.refill == "continuous" and self._queue:
-      min_done = min(self.rows, len(self._queue))
-    bound = self._target_bound(target) if self.cfg.early_exit else None
-    if bound is not None:
-      min_done = min(min_done, bound)     # stop as soon as the target can be met
-    scalars = put((np.int32(self.cfg.chunk_steps), np.int32(min_done)),
-                             self.programs.replicated)
-    self._state, self._cache, steps, tokens = self.programs.decode(
-        params, self._cache, self._state, *scalars, self._rng, version)
-    self._read_rows()     # rows gathered before this chunk: ready while it decodes
-    done_s, response_len_s, steps, tokens = fetch(
-        (self._state.done_s, self._state.response_len_s, steps, tokens))
-    for s in np.flatnonzero(response_len_s > self._response_len_s):   # slots that sampled this chunk
-      old = self._min_version_s[s]
-      self._min_version_s[s] = policy_version if old is None else min(old, policy_version)
-    self._done_s, self._response_len_s = np.array(done_s), np.array(response_len_s)
-    self._chunks += 1
-    stats.update(decode_chunks=1, decode_steps=int(steps), generated_tokens=int(tokens))
-
-  def _target_bound(self, target: _Target | None) -> int | None:
-    """Slots that must finish in this chunk before the target can be met (None: no bound)."""
-    if target is None or (target.kind == "groups" and target.finish is None):
-      return None
-    return target.n - len(self._finished) if target.kind == "samples" else self._groups_bound(target)
-
-  def _groups_bound(self, target: _Target) -> int | None:
-    """Fewest in-flight samples that must finish before a ``finish_groups`` target can be met.
-
-    A lower bound: a chunk never runs past the step that meets the target, and ends early (one extra
-    fetch) when other slots finish first. None when the target cannot be met within the next chunk.
-    """
-    size = self.cfg.group_size
-    finished = collections.Counter(f.group_id for f in self._finished)
-    flying = collections.Counter(r.group_id for r in self._occupant if r is not None)
-    complete = {g for g, n in finished.items() if n == size}
-    left = {g: n for g, n in flying.items() if finished[g] + n == size}   # can complete in this chunk
-    awaited = target.finish - complete
-    if not awaited <= left.keys():
-      return None
-    others = sorted(n for g, n in left.items() if g not in awaited)
-    short = max(0, target.n - len(complete) - len(awaited))
-    return None if short > len(others) else sum(left[g] for g in awaited) + sum(others[:short])
 
 
 _ROW_FIELDS = ("tokens_st", "logp_st", "version_st", "prompt_len_s", "response_len_s", "finished_s",
@@ -616,53 +609,9 @@ _ROW_FIELDS = ("tokens_st", "logp_st", "version_st", "prompt_len_s", "response_l
 _SLOT_FIELDS = _ROW_FIELDS + ("forced_len_s",)    # an in-flight row: every SlotState field but done_s
 
 
-def _packed_rows(state: slots.SlotState, slot_k):
-  """Rows ``slot_k`` of the slot state as one int32 [K, 3T + 4] array (one transfer): tokens, log-prob
-  bits, versions, then finished, prompt length, response length, sample id."""
-  take = lambda x: x[slot_k]
-  scalars_k4 = jnp.stack([take(state.finished_s).astype(jnp.int32), take(state.prompt_len_s),
-                          take(state.response_len_s), take(state.sample_id_s)], axis=1)
-  return jnp.concatenate([take(state.tokens_st), jax.lax.bitcast_convert_type(take(state.logp_st), jnp.int32),
-                          take(state.version_st), scalars_k4], axis=1)
-
-
-class _RowGather:
-  """``_packed_rows`` on each batch shard of ``mesh`` with no cross-device traffic: shard b takes the
-  local row indices in row b of an index array [shards, K] (a small host array, replicated: it may go in
-  as numpy, also with several processes), and the result [shards * K, 3T + 4] is split over the batch
-  axes like the slots.
-
-  K is a power of two or the shard's slot count. Every K is compiled at the first call, so no later chunk
-  of a run compiles (a step's finished-row counts vary)."""
-
-  def __init__(self, mesh: Mesh, state_shardings, num_slots: int):
-    def local(state, index_bk):
-      return _packed_rows(state, index_bk[jax.lax.axis_index(BATCH_AXES)])
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(BATCH_AXES), P()), out_specs=P(BATCH_AXES),
-                       check_vma=False)
-    self.fn = jax.jit(fn, in_shardings=(state_shardings, replicated(mesh)))
-    self.shards = batch_shards(mesh)
-    local = num_slots // self.shards
-    self.sizes = tuple(k for k in (1 << i for i in range(local.bit_length())) if k < local) + (local,)
-    self._compiled = False
-
-  def __call__(self, state: slots.SlotState, index_bk: np.ndarray) -> jax.Array:
-    if not self._compiled:
-      jax.block_until_ready([self.fn(state, np.zeros((self.shards, k), np.int32)) for k in self.sizes])
-      self._compiled = True
-    return self.fn(state, index_bk)
-
-
-@functools.lru_cache(maxsize=16)
-def _row_gatherer(mesh: Mesh, state_shardings, num_slots: int, seq_len: int) -> _RowGather:
-  """Shared by every engine with equal arguments (all hashable), so a new engine compiles nothing."""
-  del seq_len   # part of the key: the compiled shapes depend on it
-  return _RowGather(mesh, state_shardings, num_slots)
-
-
 def _unpack_rows(packed_k: np.ndarray, seq_len: int) -> list[dict]:
   """The per-sample row dicts (``_ROW_FIELDS``, dtypes of the slot state: per-token fields as views of
-  one array per field, the rest numpy scalars) of ``_packed_rows``' result (rows already selected)."""
+  one array per field, the rest numpy scalars) of ``slots.pack_rows`` rows."""
   t = seq_len
   tokens_kt, version_kt = packed_k[:, :t], packed_k[:, 2 * t:3 * t]
   logp_kt = np.ascontiguousarray(packed_k[:, t:2 * t]).view(np.float32)

@@ -8,12 +8,14 @@ return them, so a refill never reallocates anything and shapes never change:
   scatter): it writes new samples' rows into the slot state, then recomputes the KV of each row's prefix
   (prompt + response so far, except its newest token) in a temporary R-row cache of width W and scatters
   that into the chosen slots' cache rows. W is one of a small fixed set of widths, one compile each.
-* ``decode_chunk`` advances every active slot by at most ``steps`` tokens in one ``lax.while_loop``
-  (``steps`` is a traced scalar, so one compile serves every chunk size) and exits early once no slot is
-  active, or once enough slots finished to be worth a refill (``min_done``, also traced). Every token,
-  the first included, is sampled here: prefill only fills the cache, so a sample's token t is always
-  drawn from the logits of one decode step with key (rng, sample id, t), whichever slot, chunk or call
-  it lands in.
+* ``run_chunk`` advances every active slot by at most ``steps`` tokens in one ``lax.while_loop``
+  (``steps`` is a traced scalar, so one compile serves every chunk size), refilling free slots from an
+  uploaded slice of the queue inside the loop (a ``prefill`` of ``rows`` rows at the narrowest prompt
+  width, chosen at run time among the compiled ones), moving finished samples to an outbox, and
+  ending once a target of complete groups or finished samples is met (``ChunkTarget``), when nothing
+  is left, or when the upload is spent. Every token, the first included, is sampled in a decode step:
+  prefill only fills the cache, so a sample's token t is always drawn from the logits of one decode
+  step with key (rng, sample id, t), whichever slot, chunk or call it lands in.
 
 The per-slot state (``SlotState``) and the decode step are ``decode.py``'s, shared with the tests'
 reference generator. ``SlotPrograms`` jits the programs with explicit shardings (slot dimension over the
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import functools
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -66,30 +69,160 @@ def prefill(spec: GenerateSpec, width: int, params, cache, state: SlotState, slo
   return state, cache
 
 
-def decode_chunk(spec: GenerateSpec, params, cache, state: SlotState, steps, min_done, rng, version):
-  """At most ``steps`` decode steps over all slots; returns (state, cache, steps taken, tokens sampled).
+def pack_rows(state: SlotState):
+  """Every slot's row as one int32 [S, 3T + 4] array (one transfer): tokens, log-prob bits, versions,
+  then finished, prompt length, response length, sample id (``engine._unpack_rows`` reads it)."""
+  scalars_s4 = jnp.stack([state.finished_s.astype(jnp.int32), state.prompt_len_s, state.response_len_s,
+                          state.sample_id_s], axis=1)
+  return jnp.concatenate([state.tokens_st, jax.lax.bitcast_convert_type(state.logp_st, jnp.int32),
+                          state.version_st, scalars_s4], axis=1)
 
-  Exits early when no slot is active, or once ``min_done`` slots finished during this chunk (the host
-  then has that many slots to refill; pass more than S to run the full ``steps``).
+
+@flax.struct.dataclass
+class Pending:
+  """The head of the engine's queue, uploaded for one chunk: ``count`` requests in queue order (rows past
+  it are padding). ``group_q``: each request's group as an index into the chunk's group table."""
+  prompt_qp: jax.Array
+  prompt_len_q: jax.Array
+  sample_id_q: jax.Array
+  forced_len_q: jax.Array
+  group_q: jax.Array
+  count: jax.Array
+
+
+@flax.struct.dataclass
+class ChunkTarget:
+  """When a chunk may stop early, decided on the device.
+
+  ``remaining_g``: samples each tracked group still needs before it is complete (untracked entries hold a
+  value no count reaches). The target is met once ``need_groups`` tracked groups are complete, every
+  ``awaited_g`` group is complete (never while ``blocked``: an awaited group has samples beyond the
+  chunk's reach) and ``need_samples`` samples finished in the chunk. ``armed`` False: no target, the
+  chunk runs until its step budget or until nothing is left. ``more_queued``: the host holds requests
+  beyond ``Pending``; the chunk ends when it could refill but its upload is spent.
   """
-  done_at_start_s, response_len_at_start_s = state.done_s, state.response_len_s
+  remaining_g: jax.Array
+  awaited_g: jax.Array
+  need_groups: jax.Array
+  need_samples: jax.Array
+  blocked: jax.Array
+  armed: jax.Array
+  more_queued: jax.Array
 
-  def body(carry):
-    step, state, cache = carry
-    state, cache = decode_lib.decode_step(spec, params, state, cache, rng, version)
-    return step + 1, state, cache
 
-  def cond(carry):
-    step, state, _ = carry
-    # Both counts in one reduction: one cross-device sum per step when the slots are sharded.
-    active, newly_done = jnp.sum(jnp.stack([~state.done_s, state.done_s & ~done_at_start_s]), axis=1,
-                                 dtype=jnp.int32)
-    return (step < steps) & (active > 0) & (newly_done < min_done)
+@flax.struct.dataclass
+class _Carry:
+  step: jax.Array
+  tokens: jax.Array
+  refills: jax.Array
+  refill_tokens: jax.Array
+  state: SlotState
+  cache: dict
+  ptr: jax.Array          # requests of ``Pending`` taken so far
+  outbox: jax.Array       # [O, 3T + 4] rows of the samples that finished in this chunk, in that order
+  out_n: jax.Array
+  live_s: jax.Array       # the slot holds a sample not yet moved to the outbox
+  group_s: jax.Array      # its group's index in the chunk's group table (G: none)
+  remaining_g: jax.Array
+  filling: jax.Array      # a static refill is under way
 
-  step, state, cache = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state, cache))
-  # Every step appends one token to each active slot, so the tokens sampled are the length increments.
-  tokens = jnp.sum(state.response_len_s - response_len_at_start_s, dtype=jnp.int32)
-  return state, cache, step, tokens
+
+def _move_done(c: _Carry) -> _Carry:
+  """Moves every finished sample still in its slot to the outbox (slot order), freeing the slot."""
+  move_s = c.state.done_s & c.live_s
+  pos_s = jnp.where(move_s, c.out_n + jnp.cumsum(move_s, dtype=jnp.int32) - 1, c.outbox.shape[0])
+  outbox = c.outbox.at[pos_s].set(pack_rows(c.state), mode="drop")
+  return c.replace(outbox=outbox, out_n=c.out_n + jnp.sum(move_s, dtype=jnp.int32), live_s=c.live_s & ~move_s)
+
+
+def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, static: bool, row_shardings, params,
+              cache, state: SlotState, group_s, pending: Pending, target: ChunkTarget, steps, rng, version):
+  """At most ``steps`` decode steps with refill on the device -> (state, cache, outbox, counters).
+
+  Before every step, while the free slots (done ones) reach ``min(rows, requests left)`` (``static``:
+  every slot free), the finished samples still in slots move to the outbox and the next ``rows``
+  requests of ``pending`` are admitted to the lowest free slots and prefilled at the narrowest of
+  ``new_widths`` that holds their prompts but the last token (every width in the one program, picked at
+  run time: one compile). The chunk ends after ``steps`` steps, once ``target`` is
+  met, when nothing is left to decode or admit, or when the host must upload more requests. Finished
+  samples are then all in the outbox, so every done slot is free. Returns (state, cache, outbox [O, 3T +
+  4] int32, number of outbox rows, requests taken from ``pending``, decode steps, tokens sampled,
+  refill prefills, and the rows x width they processed).
+  """
+  num_slots = state.done_s.shape[0]
+  num_pending = pending.sample_id_q.shape[0]
+  num_groups = target.remaining_g.shape[0]
+  left = lambda c: pending.count - c.ptr
+
+  def can_refill(c):
+    free = jnp.sum(c.state.done_s, dtype=jnp.int32)
+    # Static: a refill starts once every slot is free and goes on until the slots are full.
+    enough = (free == num_slots) | c.filling if static else free >= jnp.minimum(rows, left(c))
+    return (left(c) > 0) & (free > 0) & enough
+
+  def refill_once(c):
+    c = _move_done(c)
+    free_s = c.state.done_s
+    k = jnp.minimum(jnp.minimum(rows, jnp.sum(free_s, dtype=jnp.int32)), left(c))
+    rank_s = jnp.cumsum(free_s, dtype=jnp.int32) - 1
+    dest_r = jnp.full((rows,), num_slots, jnp.int32).at[jnp.where(free_s & (rank_s < k), rank_s, rows)].set(
+        jnp.arange(num_slots, dtype=jnp.int32), mode="drop")
+    index_r = c.ptr + jnp.arange(rows, dtype=jnp.int32)
+    take = lambda x: x.at[index_r].get(mode="fill", fill_value=0)
+    valid_r = jnp.arange(rows) < k
+    prompt_len_r = take(pending.prompt_len_q)
+    # The narrowest of ``new_widths`` that holds every admitted prompt but its last token.
+    need = jnp.max(jnp.where(valid_r, prompt_len_r - 1, 0))
+    branch = jnp.minimum(jnp.sum(jnp.asarray(new_widths) < need, dtype=jnp.int32), len(new_widths) - 1)
+    # The refill's rows split over the batch axes like the host's prefill rows (else every device would
+    # prefill all of them).
+    b1, b2 = row_shardings
+    rows_1 = lambda x: jax.lax.with_sharding_constraint(x, b1)
+    operands = (params, c.cache, c.state, rows_1(dest_r), rows_1(valid_r),
+                jax.lax.with_sharding_constraint(take(pending.prompt_qp), b2), rows_1(prompt_len_r),
+                rows_1(take(pending.sample_id_q)), rows_1(take(pending.forced_len_q)))
+    new_state, new_cache = jax.lax.switch(branch, [functools.partial(prefill, spec, w) for w in new_widths],
+                                          *operands)
+    width = jnp.asarray(new_widths, jnp.int32)[branch]
+    return c.replace(state=new_state, cache=new_cache, ptr=c.ptr + k, refills=c.refills + 1, filling=True,
+                     refill_tokens=c.refill_tokens + rows * width,
+                     group_s=c.group_s.at[dest_r].set(take(pending.group_q), mode="drop"),
+                     live_s=c.live_s.at[dest_r].set(True, mode="drop"))
+
+  def met(c):
+    complete_g = c.remaining_g <= 0
+    done = c.out_n + jnp.sum(c.state.done_s & c.live_s, dtype=jnp.int32)
+    return (target.armed & ~target.blocked & (jnp.sum(complete_g, dtype=jnp.int32) >= target.need_groups)
+            & jnp.all(complete_g | ~target.awaited_g) & (done >= target.need_samples))
+
+  def needs_host(c):   # a refill is due but the uploaded requests are spent
+    free = jnp.sum(c.state.done_s, dtype=jnp.int32)
+    return target.more_queued & (left(c) <= 0) & (free == num_slots if static else free >= rows)
+
+  def cond(c):
+    active = jnp.any(~c.state.done_s)
+    return (c.step < steps) & ~met(c) & (active | can_refill(c)) & ~needs_host(c)
+
+  def decode(c):
+    active_s = ~c.state.done_s
+    new_state, new_cache = decode_lib.decode_step(spec, params, c.state, c.cache, rng, version)
+    newly_s = new_state.done_s & active_s
+    finished_g = jax.ops.segment_sum(newly_s.astype(jnp.int32), c.group_s, num_groups)
+    return c.replace(state=new_state, cache=new_cache, step=c.step + 1,
+                     tokens=c.tokens + jnp.sum(active_s, dtype=jnp.int32), remaining_g=c.remaining_g - finished_g)
+
+  def body(c):
+    # ``cond`` holds: a slot is active, or a refill is due and admits at least one; either way the
+    # decode step has an active slot.
+    return decode(jax.lax.while_loop(can_refill, refill_once, c).replace(filling=False))
+
+  zero = jnp.zeros((), jnp.int32)
+  outbox = jnp.zeros((num_slots + num_pending, 3 * state.tokens_st.shape[1] + 4), jnp.int32)
+  c = _Carry(step=zero, tokens=zero, refills=zero, refill_tokens=zero, state=state, cache=cache, ptr=zero, outbox=outbox,
+             out_n=zero, live_s=~state.done_s, group_s=group_s, remaining_g=target.remaining_g,
+             filling=jnp.zeros((), bool))
+  c = _move_done(jax.lax.while_loop(cond, body, c))
+  return c.state, c.cache, c.outbox, c.out_n, c.ptr, c.step, c.tokens, c.refills, c.refill_tokens
 
 
 def prefill_widths(max_prompt_len: int, seq_len: int) -> tuple[int, ...]:
@@ -121,7 +254,7 @@ class SlotPrograms:
   """
 
   def __init__(self, spec: GenerateSpec, num_slots: int, rows: int, mesh: Mesh, param_shardings,
-               rules: Rules = GENERATE_RULES):
+               rules: Rules = GENERATE_RULES, static: bool = False):
     self.rows = rows
     b1, b2, rep = batch_sharding(mesh, 1), batch_sharding(mesh, 2), replicated(mesh)
     self.cache_sharding = cache_sharding(spec.model, mesh, rules)
@@ -137,9 +270,14 @@ class SlotPrograms:
                    in_shardings=(param_shardings, cache_sh, state_sh) + self.row_shardings,
                    out_shardings=(state_sh, cache_sh))
         for w in self.widths}
-    self.decode = jax.jit(ep(functools.partial(decode_chunk, spec)), donate_argnums=(1, 2),
-                          in_shardings=(param_shardings, cache_sh, state_sh, rep, rep, rep, rep),
-                          out_shardings=(state_sh, cache_sh, rep, rep))
+    last = prefill_width(self.widths, spec.max_prompt_len - 1)
+    self.new_widths = tuple(w for w in self.widths if w < last) + (last,)
+    self.pending_rows = num_slots
+    self.num_groups = 2 * num_slots
+    self.chunk = jax.jit(
+        ep(functools.partial(run_chunk, spec, self.new_widths, rows, static, (b1, b2))), donate_argnums=(1, 2),
+        in_shardings=(param_shardings, cache_sh, state_sh, b1, rep, rep, rep, rep, rep),
+        out_shardings=(state_sh, cache_sh, rep, rep, rep, rep, rep, rep, rep))
     self.init_cache = jax.jit(functools.partial(models.init_cache, spec.model, num_slots, spec.seq_len),
                               out_shardings=cache_sh)
     self.empty = jax.jit(functools.partial(empty_slots, num_slots, spec.seq_len),
@@ -147,7 +285,7 @@ class SlotPrograms:
 
 
 @functools.lru_cache(maxsize=16)
-def programs(spec, num_slots, rows, mesh, treedef, sharding_leaves, rules: Rules = GENERATE_RULES
-             ) -> SlotPrograms:
+def programs(spec, num_slots, rows, mesh, treedef, sharding_leaves, rules: Rules = GENERATE_RULES,
+             static: bool = False) -> SlotPrograms:
   """Shared by every engine with equal arguments (all hashable), so a new engine compiles nothing."""
-  return SlotPrograms(spec, num_slots, rows, mesh, jax.tree.unflatten(treedef, sharding_leaves), rules)
+  return SlotPrograms(spec, num_slots, rows, mesh, jax.tree.unflatten(treedef, sharding_leaves), rules, static)

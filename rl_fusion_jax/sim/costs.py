@@ -14,8 +14,8 @@ import dataclasses
 
 from rl_fusion_jax.sim.engine import PhaseCounts
 
-GEN_TERMS = ("phase", "decode_steps", "decode_chunks", "prefill_calls", "prefill_tokens", "generated_tokens",
-             "kv_token_steps")
+GEN_TERMS = ("phase", "decode_steps", "decode_chunks", "prefill_calls", "refill_prefills", "prefill_tokens",
+             "generated_tokens", "kv_token_steps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +25,7 @@ class GenCost:
   decode_steps: float = 0.0
   decode_chunks: float = 0.0
   prefill_calls: float = 0.0
+  refill_prefills: float = 0.0
   prefill_tokens: float = 0.0
   generated_tokens: float = 0.0
   kv_token_steps: float = 0.0

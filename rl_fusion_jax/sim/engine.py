@@ -1,22 +1,24 @@
 """The generation engine's scheduling, replayed without a model: which sample sits in which slot, how
-many decode steps, chunks and prefill calls a rollout phase takes.
+many decode steps, chunks, refills and prefill calls a rollout phase takes.
 
-``SimEngine`` follows ``rollout/engine.py::Engine`` decision for decision (continuous refill from a FIFO
-queue into the lowest free slots, prefill calls of ``prefill_rows`` rows, chunks of at most
-``chunk_steps`` decode steps that end early once ``min(prefill_rows, queued)`` slots finished or the
-target can be met, re-prefill of every in-flight sample at the start of a run, targets of complete
-groups with ``finish_groups``), with each sample's response length known up front instead of sampled.
-As in the real engine every slot advances in lockstep (one SPMD program over all generation replicas).
-It counts what a phase's time is made of (``PhaseCounts``); ``costs.py`` turns counts into seconds.
-Slot state is numpy arrays, so a cluster-scale phase (thousands of slots, thousands of steps) takes
-well under a second. Nothing here imports JAX.
+``SimEngine`` follows ``rollout/engine.py::Engine`` (``slots.run_chunk``) decision for decision: at the
+start of a run one host prefill call per ``prefill_rows`` in-flight samples recomputes their prefixes
+(unless the cache is kept); then chunks of at most ``chunk_steps`` decode steps, each with the queue's
+first ``num_slots`` requests uploaded, where before every step, while the free slots reach
+``min(prefill_rows, requests left)``, the finished samples move out (slot order) and the next
+``prefill_rows`` requests fill the lowest free slots; a chunk ends once the target is met (complete
+groups, every group in ``finish_groups``), when nothing is left, or when the upload is spent and a refill
+is due. Each sample's response length is known up front instead of sampled. As in the real engine every
+slot advances in lockstep (one SPMD program over all generation replicas). It counts what a phase's
+time is made of (``PhaseCounts``); ``costs.py`` turns counts into seconds. Slot state is numpy arrays;
+a cluster-scale phase (thousands of slots, thousands of steps) takes about a second. Nothing here
+imports JAX.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
-import heapq
-import math
+import itertools
 
 import numpy as np
 
@@ -35,10 +37,11 @@ class PhaseCounts:
   decode_steps: int = 0
   decode_chunks: int = 0
   generated_tokens: int = 0
-  prefill_calls: int = 0
+  prefill_calls: int = 0       # host calls: re-prefill of the samples carried in flight
+  refill_prefills: int = 0     # refills inside chunks (admitting new samples)
   prefill_rows: int = 0
   reprefill_rows: int = 0
-  prefill_tokens: int = 0      # prompt (+ response so far) tokens the prefill calls processed
+  prefill_tokens: int = 0      # rows x width every prefill processed (``widths`` given), else real tokens
   kv_token_steps: int = 0      # sum over decode steps of the active samples' context lengths
 
 
@@ -53,16 +56,26 @@ class Taken:
 
 
 class SimEngine:
-  """Slots, a FIFO queue and a finished list, as ``Engine`` keeps them (no KV cache across runs)."""
+  """Slots, a FIFO queue and a finished list, as ``Engine`` keeps them.
+
+  ``widths``: the engine's prefill widths (``slots.prefill_widths``) and ``max_prompt_len``, so that
+  ``prefill_tokens`` counts rows x width as the engine does; without them it counts real prefix tokens.
+  ``keep_cache``: in-flight samples keep their KV across runs (no re-prefill)."""
 
   def __init__(self, num_slots: int, group_size: int, chunk_steps: int = 16, prefill_rows: int = 0,
-               batch_shards: int = 1):
+               batch_shards: int = 1, *, widths: tuple[int, ...] | None = None, max_prompt_len: int = 0,
+               keep_cache: bool = False):
     if num_slots < 1 or chunk_steps < 1 or group_size < 1 or num_slots % group_size:
       raise ValueError(f"SimEngine: need num_slots >= 1 divisible by group_size, chunk_steps >= 1; got "
                        f"num_slots={num_slots}, group_size={group_size}, chunk_steps={chunk_steps}")
     self.num_slots, self.group_size, self.chunk_steps = num_slots, group_size, chunk_steps
     # Engine: prefill_rows or a quarter of the slots rounded up to the batch shards.
     self.rows = prefill_rows or -(-max(1, num_slots // 4) // batch_shards) * batch_shards
+    self.widths, self.keep_cache = widths, keep_cache
+    if widths is not None:   # slots.SlotPrograms.new_widths
+      last = _width(widths, max_prompt_len - 1)
+      self.new_widths = tuple(w for w in widths if w < last) + (last,)
+    self.kv_valid = False
     self.queue: collections.deque[SimRequest] = collections.deque()
     self.chunks = 0
     # Slots: -1 = free; per slot the sample's fields.
@@ -72,21 +85,18 @@ class SimEngine:
     self.slot_len = np.zeros(num_slots, np.int64)
     self.slot_gen = np.zeros(num_slots, np.int64)
     self.slot_ver = np.full(num_slots, -1, np.int64)       # -1: no token yet
-    # Finished, unreturned samples: sample id -> (order, Taken); per group counts, for targets.
+    # Finished, unreturned samples: sample id -> (order, Taken); per group counts of done samples
+    # (moved out of their slot or not), for targets.
     self.finished: dict[int, tuple[tuple[int, int], Taken]] = {}
-    self.fin_count: collections.Counter = collections.Counter()
+    self.done_count: collections.Counter = collections.Counter()
     self.fin_last: dict[int, tuple[int, int]] = {}
-    self.fly_count: collections.Counter = collections.Counter()
-    self.queued_count: collections.Counter = collections.Counter()
     self.complete: set[int] = set()     # groups whose samples have all finished (unreturned)
-    self.left: set[int] = set()         # groups in flight with nothing queued: can complete in a chunk
+    self.complete_order: dict[int, tuple[int, int]] = {}
 
   # -- host state ------------------------------------------------------------------------------------
 
   def add(self, requests) -> None:
-    for r in requests:
-      self.queue.append(r)
-      self.queued_count[r.group_id] += 1
+    self.queue.extend(requests)
 
   @property
   def num_in_flight(self) -> int:
@@ -114,38 +124,14 @@ class SimEngine:
     """Generates until ``target_groups`` complete groups (and every group in ``finish_groups``) have
     finished, or, with no target, until nothing is left; returns the samples taken and the counts."""
     finish = frozenset(finish_groups) if finish_groups is not None else None
-    counts, kv_valid = PhaseCounts(), False
-    while True:
-      self._collect()
-      if self._target_met(target_groups, finish) or not (self.queue or self.num_in_flight):
-        break
-      if not kv_valid:
+    counts = PhaseCounts()
+    while not self._target_met(target_groups, finish) and (self.queue or self.num_in_flight):
+      if not self.kv_valid:
         self._reprefill(counts)
-        kv_valid = True
-      self._refill(counts)
-      self._decode(version, target_groups, finish, counts)
+        self.kv_valid = True
+      self._chunk(version, target_groups, finish, counts)
+    self.kv_valid = self.kv_valid and self.keep_cache
     return self._take(target_groups, finish), counts
-
-  def _collect(self) -> None:
-    occupied = self.slot_id >= 0
-    done = np.flatnonzero(occupied & (self.slot_gen >= self.slot_len))
-    for s in done[np.argsort(self.slot_id[done], kind="stable")]:
-      sid, g = int(self.slot_id[s]), int(self.slot_group[s])
-      order = (self.chunks, sid)
-      self.finished[sid] = (order, Taken(sid, g, int(self.slot_prompt[s]), int(self.slot_len[s]),
-                                         int(self.slot_ver[s])))
-      self.fin_count[g] += 1
-      if self.fin_count[g] == self.group_size:
-        self.complete.add(g)
-      self.fin_last[g] = max(self.fin_last.get(g, order), order)
-      self.fly_count[g] -= 1
-      if not self.fly_count[g]:
-        del self.fly_count[g]
-        self.left.discard(g)
-      self.slot_id[s] = -1
-
-  def _complete_groups(self) -> list[int]:
-    return sorted(self.complete, key=lambda g: (self.fin_last[g], g))
 
   def _target_met(self, n: int | None, finish) -> bool:
     if n is None:
@@ -154,80 +140,109 @@ class SimEngine:
 
   def _take(self, n: int | None, finish) -> list[Taken]:
     if n is None:
-      groups = set(self.fin_count)
+      groups = {t.group_id for _, t in self.finished.values()}
     else:
-      complete = self._complete_groups()
+      complete = sorted(self.complete, key=lambda g: (self.fin_last[g], g))
       groups = set(complete if finish is not None else complete[:n])
     taken = sorted((v for v in self.finished.values() if v[1].group_id in groups), key=lambda v: v[0])
     for _, t in taken:
       del self.finished[t.sample_id]
     for g in groups:
-      del self.fin_count[g], self.fin_last[g]
+      self.done_count.pop(g, None)
+      self.fin_last.pop(g, None)
       self.complete.discard(g)
     return [t for _, t in taken]
 
   def _reprefill(self, counts: PhaseCounts) -> None:
     flying = np.flatnonzero(self.slot_id >= 0)
-    counts.prefill_calls += math.ceil(len(flying) / self.rows)
-    counts.prefill_tokens += int((self.slot_prompt[flying] + self.slot_gen[flying]).sum())
+    need = np.sort(self.slot_prompt[flying] + self.slot_gen[flying] - 1)
+    for start in range(0, len(need), self.rows):
+      counts.prefill_calls += 1
+      part = need[start:start + self.rows]
+      counts.prefill_tokens += (self.rows * _width(self.widths, int(part[-1])) if self.widths is not None
+                                else int((part + 1).sum()))
     counts.reprefill_rows += len(flying)
 
-  def _refill(self, counts: PhaseCounts) -> None:
+  # -- one chunk: slots.run_chunk ----------------------------------------------------------------------
+
+  def _chunk(self, version: int, n: int | None, finish, counts: PhaseCounts) -> None:
+    pending = list(itertools.islice(self.queue, self.num_slots))
+    more = len(self.queue) > len(pending)
+    tracked = {int(g) for g in self.slot_group[self.slot_id >= 0]} | {r.group_id for r in pending}
+    complete_at_start = set(self.complete)
+    need_groups = 0 if n is None else n - len(complete_at_start)
+    awaited = (finish or frozenset()) - complete_at_start
+    blocked = not awaited <= tracked
+    self.ptr, self.out_pos = 0, 0
+    left = lambda: len(pending) - self.ptr
+
+    def free() -> int:
+      return int(((self.slot_id < 0) | (self.slot_gen >= self.slot_len)).sum())
+
+    def met() -> bool:
+      return (n is not None and not blocked and len(self.complete) - len(complete_at_start) >= need_groups
+              and awaited <= self.complete)
+
+    step = 0
+    while True:
+      active = bool(((self.slot_id >= 0) & (self.slot_gen < self.slot_len)).any())
+      can_refill = left() > 0 and free() > 0 and free() >= min(self.rows, left())
+      needs_host = more and left() <= 0 and free() >= self.rows
+      if step >= self.chunk_steps or met() or not (active or can_refill) or needs_host:
+        break
+      while left() > 0 and free() > 0 and free() >= min(self.rows, left()):
+        self._refill(pending, counts)
+      if ((self.slot_id >= 0) & (self.slot_gen < self.slot_len)).any():
+        self._decode_step(version, counts)
+        step += 1
+    self._move_done()
+    for _ in range(self.ptr):
+      self.queue.popleft()
+    self.chunks += 1
+    counts.decode_chunks += 1
+
+  def _move_done(self) -> None:
+    """Finished samples leave their slots, in slot order (their completion order)."""
+    for s in np.flatnonzero((self.slot_id >= 0) & (self.slot_gen >= self.slot_len)):
+      sid, g = int(self.slot_id[s]), int(self.slot_group[s])
+      order = (self.chunks, self.out_pos)
+      self.out_pos += 1
+      self.finished[sid] = (order, Taken(sid, g, int(self.slot_prompt[s]), int(self.slot_len[s]),
+                                         int(self.slot_ver[s])))
+      self.fin_last[g] = max(self.fin_last.get(g, order), order)
+      self.slot_id[s] = -1
+
+  def _refill(self, pending: list[SimRequest], counts: PhaseCounts) -> None:
+    self._move_done()
     free = np.flatnonzero(self.slot_id < 0)
-    k = min(len(free), len(self.queue))
-    if not k:
-      return
-    for s in free[:k]:
-      r = self.queue.popleft()
+    k = min(self.rows, len(free), len(pending) - self.ptr)
+    admitted = pending[self.ptr:self.ptr + k]
+    for s, r in zip(free[:k], admitted):
       self.slot_id[s], self.slot_group[s], self.slot_prompt[s], self.slot_len[s] = (
           r.sample_id, r.group_id, r.prompt_len, r.length)
       self.slot_gen[s], self.slot_ver[s] = 0, -1
-      self.fly_count[r.group_id] += 1
-      self.queued_count[r.group_id] -= 1
-      if not self.queued_count[r.group_id]:
-        del self.queued_count[r.group_id]
-        self.left.add(r.group_id)
-    counts.prefill_calls += math.ceil(k / self.rows)
-    counts.prefill_tokens += int(self.slot_prompt[free[:k]].sum())
+    self.ptr += k
+    counts.refill_prefills += 1
     counts.prefill_rows += k
+    need = max(r.prompt_len for r in admitted) - 1
+    counts.prefill_tokens += (self.rows * _width(self.new_widths, need) if self.widths is not None
+                              else sum(r.prompt_len for r in admitted))
 
-  def _groups_bound(self, n: int, finish) -> int | None:
-    """``Engine._groups_bound``: the fewest in-flight samples that must finish before the target can be
-    met (None: not within this chunk)."""
-    # ``left``: in flight with nothing queued (groups are returned whole, so every other sample of it
-    # has finished): the groups that can complete within this chunk.
-    awaited = finish - self.complete
-    if not awaited <= self.left:
-      return None
-    short = max(0, n - len(self.complete) - len(awaited))
-    if short > len(self.left) - len(awaited):
-      return None
-    others = heapq.nsmallest(short, (self.fly_count[g] for g in self.left if g not in awaited)) if short else []
-    return sum(self.fly_count[g] for g in awaited) + sum(others)
-
-  def _decode(self, version: int, n: int | None, finish, counts: PhaseCounts) -> None:
-    min_done = self.num_slots + 1
-    if self.queue:
-      min_done = min(self.rows, len(self.queue))
-    if n is not None and finish is not None:
-      bound = self._groups_bound(n, finish)
-      if bound is not None:
-        min_done = min(min_done, bound)
-    self.chunks += 1
-    counts.decode_chunks += 1
+  def _decode_step(self, version: int, counts: PhaseCounts) -> None:
     active = np.flatnonzero((self.slot_id >= 0) & (self.slot_gen < self.slot_len))
-    if not len(active):
-      return
-    rem = self.slot_len[active] - self.slot_gen[active]
-    ordered = np.sort(rem)
-    steps = min(self.chunk_steps, int(ordered[-1]))
-    if min_done <= len(ordered):   # the chunk ends at the step that finishes the min_done-th slot
-      steps = min(steps, int(ordered[max(min_done, 1) - 1]))
-    m = np.minimum(rem, steps)
-    context = self.slot_prompt[active] + self.slot_gen[active]
-    counts.decode_steps += steps
-    counts.generated_tokens += int(m.sum())
-    counts.kv_token_steps += int((m * context + m * (m - 1) // 2).sum())
-    self.slot_gen[active] += m
-    first = active[(self.slot_ver[active] < 0) & (m > 0)]
+    counts.decode_steps += 1
+    counts.generated_tokens += len(active)
+    counts.kv_token_steps += int((self.slot_prompt[active] + self.slot_gen[active]).sum())
+    first = active[self.slot_ver[active] < 0]
     self.slot_ver[first] = version      # versions only grow: the first is the oldest
+    self.slot_gen[active] += 1
+    for s in active[self.slot_gen[active] >= self.slot_len[active]]:
+      g = int(self.slot_group[s])
+      self.done_count[g] += 1
+      if self.done_count[g] == self.group_size:
+        self.complete.add(g)
+
+
+def _width(widths, need: int) -> int:
+  """``slots.prefill_width``: the smallest width that holds ``need`` prefix positions."""
+  return next(w for w in widths if w >= need)

@@ -36,7 +36,7 @@ from rl_fusion_jax.sim.schedules import Schedule, overlap, simulate
 from rl_fusion_jax.sim.workload import Workload, fit_lognormal
 
 GEN_FEATURES = (("decode_steps", "engine/decode_steps"), ("decode_chunks", "engine/decode_chunks"),
-                ("prefill_calls", "engine/prefill_calls"))
+                ("prefill_calls", "engine/prefill_calls"), ("refill_prefills", "engine/refill_prefills"))
 
 
 def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -193,7 +193,8 @@ def schedule_from_run(run: measure.MeasuredRun) -> Schedule:
   staleness = s["max_staleness"] if s["enabled"] else 0
   return Schedule(mode=run.mode, max_staleness=staleness,
                   rollout_fraction=s["rollout_fraction"] if s["enabled"] else 1.0,
-                  num_slots=r["num_slots"], chunk_steps=r["chunk_steps"],
+                  num_slots=r["num_slots"], chunk_steps=r["chunk_steps"], prefill_rows=r.get("prefill_rows", 0),
+                  keep_cache=bool(r.get("keep_cache", False)),
                   batch_shards=len(run.timeline.groups[run.rollout_group]))
 
 

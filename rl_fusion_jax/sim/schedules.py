@@ -37,6 +37,7 @@ class Schedule:
   chunk_steps: int = 16
   prefill_rows: int = 0
   batch_shards: int = 1       # generation replicas' batch shards (prefill rows round up to them)
+  keep_cache: bool = False    # rollout.keep_cache: carried samples are not re-prefilled
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -92,7 +93,7 @@ class SimResult:
 
 def _engine(w: Workload, sch: Schedule) -> SimEngine:
   return SimEngine(sch.num_slots or w.batch_size, w.group_size, sch.chunk_steps, sch.prefill_rows,
-                   sch.batch_shards)
+                   sch.batch_shards, keep_cache=sch.keep_cache)
 
 
 def _tokens(samples) -> int:

@@ -97,7 +97,8 @@ def logprob_memory(cfg: models.ModelConfig, mesh: Mesh, rows: int, width: int) -
 
 def decode_memory(cfg: models.ModelConfig, mesh: Mesh, slots: int, prompt_len: int,
                   max_new_tokens: int) -> dict[str, int]:
-  """Per-device bytes of one compiled decode chunk over `slots` slots (generation layout).
+  """Per-device bytes of one compiled decode chunk over `slots` slots (generation layout), refills on the
+  device included (`slots.run_chunk`, the engine's default refill rows: a quarter of the slots).
 
   Lowered with float32 weights. Under model.dtype='bfloat16' the engine gets the switch's bfloat16 copy,
   but XLA:CPU runs bfloat16 dots by converting their operands to float32 and hoists that conversion of
@@ -106,19 +107,32 @@ def decode_memory(cfg: models.ModelConfig, mesh: Mesh, slots: int, prompt_len: i
   """
   spec = GenerateSpec(cfg, SamplingParams(1.0), prompt_len, max_new_tokens, 0)
   shardings = _param_shardings(cfg, mesh, rules_lib.GENERATE_RULES)
-  programs = slots_lib.SlotPrograms(spec, slots, 1, mesh, shardings)
+  programs = slots_lib.SlotPrograms(spec, slots, refill_rows(mesh, slots), mesh, shardings)
   cache = jax.eval_shape(lambda: models.init_cache(cfg, slots, spec.seq_len))
   state = jax.eval_shape(lambda: slots_lib.empty_slots(slots, spec.seq_len))
   rep = programs.replicated
-  scalars = [jax.ShapeDtypeStruct((), jnp.int32, sharding=rep) for _ in range(2)]
+  q, g = programs.pending_rows, programs.num_groups
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)
+  flag = jax.ShapeDtypeStruct((), jnp.bool_, sharding=rep)
+  pending = slots_lib.Pending(prompt_qp=i32(q, prompt_len), prompt_len_q=i32(q), sample_id_q=i32(q),
+                              forced_len_q=i32(q), group_q=i32(q), count=i32())
+  target = slots_lib.ChunkTarget(remaining_g=i32(g), awaited_g=jax.ShapeDtypeStruct((g,), jnp.bool_, sharding=rep),
+                                 need_groups=i32(), need_samples=i32(), blocked=flag, armed=flag, more_queued=flag)
+  group_s = jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=programs.state_shardings.done_s)
   rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)
-  version = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
-  lowered = programs.decode.lower(_abstract(models.abstract_params(cfg), shardings),
-                                  jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                                              sharding=programs.cache_sharding),
-                                               cache),
-                                  _abstract(state, programs.state_shardings), *scalars, rng, version)
+  lowered = programs.chunk.lower(_abstract(models.abstract_params(cfg), shardings),
+                                 jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                             sharding=programs.cache_sharding),
+                                              cache),
+                                 _abstract(state, programs.state_shardings), group_s, pending, target, i32(), rng,
+                                 i32())
   return _memory(lowered.compile())
+
+
+def refill_rows(mesh: Mesh, slots: int) -> int:
+  """The engine's default refill rows: a quarter of the slots, rounded up to the mesh's batch shards."""
+  shards = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+  return -(-max(1, slots // 4) // shards) * shards
 
 
 # ------------------------------------------------------------------------------------------- bounds
@@ -163,14 +177,23 @@ def logprob_parts(cfg: models.ModelConfig, rows: int, width: int) -> dict[str, i
           "attention": parts["attention"] // 2, "logits": parts["logits"]}
 
 
-def decode_parts(cfg: models.ModelConfig, slots: int, seq_len: int, cache_shards: int = 1) -> dict[str, int]:
+def decode_parts(cfg: models.ModelConfig, slots: int, seq_len: int, cache_shards: int = 1, *,
+                 refill_rows: int = 0, refill_width: int = 0, outbox_rows: int = 0) -> dict[str, int]:
   """One decode chunk: the cache rewritten once in float32 (XLA:CPU scatters a bfloat16 cache through a
   float32 copy; a GPU writes it in place), per step the slots' float32 logits and probabilities, and the
   lm-head weight cast once to the compute dtype (hoisted out of the chunk's steps: `decode_memory` lowers
-  float32 weights)."""
+  float32 weights). A refill on the device adds its prefill over `refill_rows` x `refill_width` tokens
+  (its own float32 cache rows, and 8 float32 [tokens, max(D, F, N*H)] activations, as `activation_parts`
+  counts a layer) and the outbox of finished rows with the packed slot rows it is filled from (int32
+  [outbox_rows + slots, 3T + 4])."""
   cache = 2 * cfg.num_layers * slots * cfg.num_kv_heads * seq_len * cfg.head_dim // cache_shards
+  tokens = refill_rows * refill_width
+  widest = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
   return {"cache_f32": 2 * cache * F32_BYTES, "logits": 4 * slots * cfg.vocab_size * F32_BYTES,
-          "lm_head": cfg.vocab_size * cfg.hidden_size * cfg.compute_dtype.itemsize}
+          "lm_head": cfg.vocab_size * cfg.hidden_size * cfg.compute_dtype.itemsize,
+          "refill_cache_f32": 2 * cfg.num_layers * tokens * cfg.num_kv_heads * cfg.head_dim * F32_BYTES,
+          "refill_activations": 8 * tokens * widest * F32_BYTES,
+          "outbox": (outbox_rows + slots) * (3 * seq_len + 4) * 4}
 
 
 def grad_logprobs_memory(cfg: models.ModelConfig, rows: int, width: int) -> dict[str, int]:
