@@ -52,7 +52,7 @@ _WORKLOADS = flags.DEFINE_list("workloads", ["longtail", "arithmetic"], "Workloa
 _VARIANTS = flags.DEFINE_list("variants", [], "Variants (default: all four).")
 _STEPS = flags.DEFINE_integer("steps", 8, "Measured steps per run.")
 _WARM = flags.DEFINE_integer("warm_steps", 4, "Unmeasured steps first (compiles).")
-_REPEATS = flags.DEFINE_integer("repeats", 2, "Runs per variant, interleaved across variants.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Runs per variant, interleaved across variants.")
 _WARMUP_HF = flags.DEFINE_string("warmup_hf", "", "The exported warm-up policy for the arithmetic workload "
                                  "(default: made in WORKDIR/warmup_hf).")
 _CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/rl_fusion_jax/jax_cache",

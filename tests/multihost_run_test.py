@@ -123,7 +123,7 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_they_resume_t
   run = launch.start("grpo_main.py", args, processes=2, devices=2, log_dir=str(tmp_path / "two_logs"))
   metrics = os.path.join(workdir, "metrics.jsonl")
   run.wait_for(lambda: os.path.exists(metrics) and sum(1 for l in open(metrics) if l.strip()) >= 3,
-               RUN_TIMEOUT, "step 2 recorded")
+               RUN_TIMEOUT, "step 2 recorded", interval=0.002)
   run.signal(signal.SIGTERM, 1)
   codes = run.wait(RUN_TIMEOUT)
   logs = [run.log(i) for i in range(2)]

@@ -75,14 +75,17 @@ def test_signal_at_a_random_step_checkpoints_exits_75_and_resumes_to_the_uninter
                                                                                             sig):
   extra = STALESYNC if schedule == "stalesync" else []
   rng = random.Random(int(os.environ.get("RLFJ_SIGNAL_SEED", time.time_ns())))
-  after = rng.randint(0, STEPS - 2)   # signal once this many RL steps are recorded (0: at the first)
+  # Signal once this many RL steps are recorded (0: at the first). A signal that lands in the last step
+  # ends nothing early (the run completes), and a late step takes ~20 ms here: the poll is tight and at
+  # least 2 steps besides the last remain after the one it waits for.
+  after = rng.randint(0, STEPS - 3)
   print(f"signal after {after} recorded RL steps (RLFJ_SIGNAL_SEED to repeat)")
   straight = tmp_path / "straight"
   _finish(_start(tmp_path, "straight", extra))
 
   stopped = tmp_path / "stopped"
   run = _start(tmp_path, "stopped", extra)
-  run.wait_for(lambda: _recorded_steps(stopped) >= after, 300, f"{after} recorded steps")
+  run.wait_for(lambda: _recorded_steps(stopped) >= after, 300, f"{after} recorded steps", interval=0.002)
   run.signal(sig)
   assert run.wait(300) == [PREEMPTED_EXIT], run.log(0)[-3000:]
   log = run.log(0)

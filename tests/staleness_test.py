@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from rl_fusion_jax.queue.staleness import Candidate, admissible, admit, staleness
+from rl_fusion_jax.queue.staleness import (Candidate, WaitingGroup, admissible, admit, admit_groups, at_risk_groups,
+                                           stale_groups, staleness, waiting_groups)
 
 
 def test_staleness_and_admissible():
@@ -121,3 +122,22 @@ def test_property_random_finish_orders(run):
   expected = {i: starts[i] + durations[i] for i in range(len(starts)) if durations[i] <= s}
   assert admitted_at == expected
   assert pending == set(range(len(starts))) - set(expected)
+
+
+def test_group_rules_by_hand():
+  # Queue rows 10..15 of groups 7, 7, 3, 3, 9, 9 with oldest token versions and response lengths:
+  waiting = waiting_groups([10, 11, 12, 13, 14, 15], [7, 7, 3, 3, 9, 9], [4, 5, 2, 3, 5, 5], [2, 4, 6, 6, 1, 3])
+  assert list(waiting) == [7, 3, 9]
+  assert waiting[7] == WaitingGroup(7, 4, (10, 11), 3.0)
+  assert waiting[3] == WaitingGroup(3, 2, (12, 13), 6.0)
+  assert waiting[9] == WaitingGroup(9, 5, (14, 15), 2.0)
+  versions = {g: w.min_token_version for g, w in waiting.items()}
+  # Learner 5, s = 1: group 3 (5 - 2 = 3) is beyond the bound; group 7 (1) is within it but exceeds it
+  # after the next update, group 9 (0) does not.
+  assert stale_groups(versions, 5, 1) == [3]
+  assert at_risk_groups(versions | {1: None}, 5, 1) == [3, 7]      # no token yet: never at risk
+  assert at_risk_groups(versions, 5, 0) == [3, 7, 9]                # s = 0: everything started must finish
+  a = admit_groups({g: w for g, w in waiting.items() if g != 3}, 5, 1, limit=1)
+  assert a.admitted == (7,) and a.held_back == (9,)                 # oldest first
+  with pytest.raises(ValueError, match="newer"):
+    stale_groups({1: 6}, 5, 1)

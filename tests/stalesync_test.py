@@ -103,3 +103,38 @@ def test_crash_mid_run_resumes_the_queue_and_in_flight_samples(tmp_path, monkeyp
 def test_bad_stalesync_config_is_named(over, match):
   with pytest.raises(ConfigError, match=match):
     tiny(**over)
+
+
+ENGINE_COUNTS = ("decode_steps", "decode_chunks", "prefill_calls", "refill_prefills", "prefill_rows", "reprefill_rows")
+
+
+def test_engine_counts_per_update_are_the_replays_and_stalesync_takes_few_chunks(tmp_path):
+  # Forced long-tail lengths (EOS ignored), so every decision is known up front: the engine's counts of
+  # every update, synchronous and StaleSync, must be those of the simulator's replay of the same schedule
+  # (rl_fusion_jax/sim, no JAX: an implementation of its own), and StaleSync, whose refills and target
+  # test run on the device, takes at most 2 chunks more per update than the synchronous loop.
+  from rl_fusion_jax.sim import schedules
+  from rl_fusion_jax.sim.costs import Costs, GenCost, TrainCost
+  from rl_fusion_jax.sim.workload import Workload
+  over = {"rollout.forced_length_median": 3, "rollout.forced_length_sigma": 1.0, "rollout.max_new_tokens": 12,
+          "model.max_position_embeddings": 32, "rollout.num_slots": 16, "rollout.prefill_rows": 8,
+          "rollout.chunk_steps": 4, "warmup.steps": 0, "run.steps": 6, "run.checkpoint_every": 0}
+  runs = {}
+  for s, f in ((0, 1.0), (1, 0.5)):
+    cfg = tiny(**over, **({"stalesync.enabled": True, "stalesync.max_staleness": s,
+                           "stalesync.rollout_fraction": f} if s else {}))
+    workdir = str(tmp_path / f"s{s}")
+    loop.run(cfg, workdir)
+    r = cfg.rollout
+    w = Workload(r.num_prompts, r.group_size, r.max_prompt_len, r.max_new_tokens, r.forced_length_median,
+                 r.forced_length_sigma, seed=cfg.run.seed, forced=True)
+    sim = schedules.simulate(w, schedules.Schedule(max_staleness=s, rollout_fraction=f, num_slots=16,
+                                                    chunk_steps=4, prefill_rows=8),
+                             Costs(GenCost(), TrainCost()), cfg.run.steps)
+    measured = rows(workdir)
+    assert len(measured) == len(sim.steps) == cfg.run.steps
+    for row, record in zip(measured, sim.steps):
+      for key in ENGINE_COUNTS:
+        assert row.get(f"engine/{key}", 0) == getattr(record.counts, key), (s, row["step"], key)
+    runs[s] = [row.get("engine/decode_chunks", 0) for row in measured]
+  assert sum(runs[1]) and max(runs[1]) <= max(runs[0]) + 2, runs

@@ -72,7 +72,7 @@ from rl_fusion_jax.orchestration.guard import DivergenceGuard
 from rl_fusion_jax.orchestration.programs import Placement, Programs, make_placement
 from rl_fusion_jax.orchestration.setup import Setup, validate, write_json_atomic
 from rl_fusion_jax.queue.distqueue import DistQueue, Packed, pack
-from rl_fusion_jax.queue.staleness import Candidate, admit
+from rl_fusion_jax.queue.staleness import admit_groups, stale_groups, waiting_groups
 from rl_fusion_jax.timeline import Timeline
 from rl_fusion_jax.train import state as state_lib
 from rl_fusion_jax.types import Rollout
@@ -548,21 +548,17 @@ class TrainSide:
     """Drops groups beyond the bound (counted), admits ``num_prompts`` -> (groups, host Rollout, metrics)."""
     ready = self.queue.ready(stalesync.CONSUMER)
     peek = self.queue.peek(ready, ("group_id", "min_version", "response_len"))
-    waiting: dict[int, list] = {}
-    for i, g, v, n in zip(ready, peek["group_id"], peek["min_version"], peek["response_len"], strict=True):
-      waiting.setdefault(int(g), []).append((int(i), int(v), int(n)))
-    stale = sorted(g for g, rows in waiting.items() if learner - min(v for _, v, _ in rows) > self.s)
+    waiting = waiting_groups(ready, peek["group_id"], peek["min_version"], peek["response_len"])
+    stale = stale_groups({g: w.min_token_version for g, w in waiting.items()}, learner, self.s)
     for g in stale:
-      self.queue.drop([i for i, _, _ in waiting.pop(g)], reason="stale")
+      self.queue.drop(list(waiting.pop(g).indices), reason="stale")
     self.groups["discarded"] += stale
-    candidates = [Candidate(g, min(v for _, v, _ in rows), True, float(np.mean([n for _, _, n in rows])))
-                  for g, rows in waiting.items()]
-    adm = admit(candidates, learner, self.s, limit=self.r.num_prompts)
+    adm = admit_groups(waiting, learner, self.s, limit=self.r.num_prompts)
     if len(adm.admitted) != self.r.num_prompts:
       raise RuntimeError(f"step {learner}: {len(adm.admitted)} admissible groups for an update of "
                          f"{self.r.num_prompts}")
     groups = sorted(adm.admitted)
-    batch = self.queue.read(stalesync.CONSUMER, sorted(i for g in groups for i, _, _ in waiting[g]))
+    batch = self.queue.read(stalesync.CONSUMER, sorted(i for g in groups for i in waiting[g].indices))
     rollout = stalesync.host_rollout([batch], self.r.seq_len)
     self.shipped.add(batch["sample_id"], batch["reward"], batch["format_ok"], batch["correct"])
     metrics = {f"stalesync/{k}": v for k, v in adm.metrics().items()} | {"stalesync/discarded_now": len(stale)}

@@ -27,7 +27,7 @@ import numpy as np
 from rl_fusion_jax.orchestration import phases, processes
 from rl_fusion_jax.orchestration.programs import Programs
 from rl_fusion_jax.orchestration.setup import Setup
-from rl_fusion_jax.queue.staleness import Candidate, admit
+from rl_fusion_jax.queue.staleness import WaitingGroup, admit_groups, at_risk_groups, stale_groups, waiting_groups
 from rl_fusion_jax.queue.distqueue import Batch, DistQueue, FieldSpec, unpack
 from rl_fusion_jax.queue.global_batch import queue_arrays
 from rl_fusion_jax.timeline import Timeline
@@ -73,17 +73,11 @@ class StaleSync:
 
   # -- host bookkeeping ------------------------------------------------------------------------------
 
-  def _waiting(self) -> dict[int, tuple[int, list[int]]]:
-    """group id -> (min token version, sample indices) of the finished groups waiting in the queue."""
+  def _waiting(self) -> dict[int, WaitingGroup]:
+    """The finished groups waiting in the queue (``queue.waiting_groups``)."""
     ready = self.queue.ready(CONSUMER)
-    if not len(ready):
-      return {}
-    batch = self.queue.peek(ready, ("group_id", "min_version"))
-    out: dict[int, tuple[int, list[int]]] = {}
-    for index, g, v in zip(ready, batch["group_id"], batch["min_version"]):
-      version, members = out.get(int(g), (int(v), []))
-      out[int(g)] = (min(version, int(v)), members + [int(index)])
-    return out
+    batch = self.queue.peek(ready, ("group_id", "min_version", "response_len"))
+    return waiting_groups(ready, batch["group_id"], batch["min_version"], batch["response_len"])
 
   def _top_up(self) -> int:
     engine, r = self.programs.engine, self.r
@@ -98,10 +92,11 @@ class StaleSync:
     return new
 
   def _discard_stale(self, learner: int) -> int:
-    stale = {g: idx for g, (v, idx) in self._waiting().items() if learner - v > self.s}
-    for g in sorted(stale):
-      self.queue.drop(stale[g], reason="stale")
-      self.programs.verify.forget(stale[g])        # queue indices are sample ids
+    waiting = self._waiting()
+    stale = stale_groups({g: w.min_token_version for g, w in waiting.items()}, learner, self.s)
+    for g in stale:
+      self.queue.drop(list(waiting[g].indices), reason="stale")
+      self.programs.verify.forget(list(waiting[g].indices))        # queue indices are sample ids
     self.counters["discarded_groups"] += len(stale)
     return len(stale)
 
@@ -156,8 +151,7 @@ class StaleSync:
     """The rollout phase (skipped when the queue already fills the update and nothing is at risk)."""
     engine, learner = self.programs.engine, step
     needed = self.r.num_prompts - len(self._waiting())
-    at_risk = sorted(g for g, v in engine.group_min_versions().items()
-                     if v is not None and v <= learner - self.s)
+    at_risk = at_risk_groups(engine.group_min_versions(), learner, self.s)
     if self.s == 0:
       run = lambda params: engine.run(params, learner)        # every started group finishes: synchronous
     elif needed > 0 or at_risk:
@@ -175,17 +169,13 @@ class StaleSync:
 
   def _admit(self, learner: int) -> tuple[list[int], list[int], dict]:
     waiting = self._waiting()
-    lengths = self.queue.peek(self.queue.ready(CONSUMER), ("group_id", "response_len"))
-    mean_len = {g: float(np.mean([n for gg, n in zip(lengths["group_id"], lengths["response_len"]) if gg == g]))
-                for g in waiting}
     # Finished groups only: in-flight ones are the engine's business (forced_groups, engine_groups).
-    candidates = [Candidate(g, v, True, mean_len[g]) for g, (v, _) in waiting.items()]
-    adm = admit(candidates, learner, self.s, limit=self.r.num_prompts)
+    adm = admit_groups(waiting, learner, self.s, limit=self.r.num_prompts)
     if len(adm.admitted) != self.r.num_prompts:
       raise RuntimeError(f"StaleSync: {len(adm.admitted)} admissible groups for an update of "
                          f"{self.r.num_prompts} (data exhausted?)")
     groups = sorted(adm.admitted)
-    indices = [i for g in groups for i in waiting[g][1]]
+    indices = [i for g in groups for i in waiting[g].indices]
     metrics = {f"stalesync/{k}": v for k, v in adm.metrics().items() if k not in ("at_risk", "stale")}
     return groups, indices, metrics
 

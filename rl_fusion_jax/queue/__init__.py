@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from rl_fusion_jax.queue.distqueue import (Batch, DistQueue, FieldSpec, NotReady, Packed, QueueFull,
                                            check_capacity, pack, unpack)
-from rl_fusion_jax.queue.staleness import (Admission, Candidate, admissible, admit, check_max_staleness,
-                                           staleness)
+from rl_fusion_jax.queue.staleness import (Admission, Candidate, WaitingGroup, admissible, admit, admit_groups,
+                                           at_risk_groups, check_max_staleness, stale_groups, staleness,
+                                           waiting_groups)
 
 __all__ = ["Admission", "Batch", "Candidate", "DistQueue", "FieldSpec", "NotReady", "Packed", "QueueFull",
-           "admissible", "admit", "check_capacity", "check_max_staleness", "pack", "staleness", "unpack"]
+           "WaitingGroup", "admissible", "admit", "admit_groups", "at_risk_groups", "check_capacity",
+           "check_max_staleness", "pack", "stale_groups", "staleness", "unpack", "waiting_groups"]

@@ -5,6 +5,12 @@ tokens was sampled. It is admissible iff finished and staleness <= ``max_stalene
 samples generated entirely by the current policy pass, which is the synchronous algorithm. The rule also
 says what generation should finish first: in-flight samples closest to the bound, oldest first.
 
+Groups: every schedule (``orchestration/stalesync.py``, ``orchestration/separated.py``, the simulator's
+``sim/schedules.py``) trains GRPO groups whole, so it applies the rule per group through the functions
+below: ``waiting_groups`` (the finished groups in a queue, from its columns), ``stale_groups`` (beyond the
+bound: dropped), ``at_risk_groups`` (in flight, beyond the bound after the next update unless they finish
+now) and ``admit_groups``.
+
 Pure and deterministic (ties broken by sample index, the input order never matters). This module must
 never import jax, start threads, admit a sample beyond the bound, or lose or duplicate a sample: every
 candidate comes back either admitted or held back, and held-back ones are counted, never dropped here.
@@ -12,7 +18,7 @@ candidate comes back either admitted or held back, and held-back ones are counte
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,3 +106,45 @@ def admit(candidates: Sequence[Candidate], learner_version: int, max_staleness: 
       staleness_mean=_mean([age[i] for i in taken]),
       admitted_len_mean=_mean([c.response_len for c in admitted]),
       held_back_len_mean=_mean([c.response_len for c in held]))
+
+
+@dataclasses.dataclass(frozen=True)
+class WaitingGroup:
+  """A finished group waiting to be trained: its oldest token's version and its rows in the queue."""
+  group_id: int
+  min_token_version: int
+  indices: tuple[int, ...]
+  response_len_mean: float
+
+
+def waiting_groups(indices: Iterable[int], group_ids: Iterable[int], min_versions: Iterable[int],
+                   response_lens: Iterable[int]) -> dict[int, WaitingGroup]:
+  """The groups of a queue's ready rows (one value per row in each column), in order of first row."""
+  rows: dict[int, list[tuple[int, int, int]]] = {}
+  for i, g, v, n in zip(indices, group_ids, min_versions, response_lens, strict=True):
+    rows.setdefault(int(g), []).append((int(i), int(v), int(n)))
+  return {g: WaitingGroup(g, min(v for _, v, _ in r), tuple(i for i, _, _ in r), _mean([n for _, _, n in r]))
+          for g, r in rows.items()}
+
+
+def stale_groups(versions: Mapping[int, int | None], learner_version: int, max_staleness: int) -> list[int]:
+  """Groups (id -> oldest token version; None: no token yet) already beyond the bound, ascending: they
+  can never be admitted again."""
+  check_max_staleness(max_staleness)
+  return sorted(g for g, v in versions.items()
+                if v is not None and staleness(learner_version, v) > max_staleness)
+
+
+def at_risk_groups(versions: Mapping[int, int | None], learner_version: int, max_staleness: int) -> list[int]:
+  """Groups (id -> oldest token version; None: no token yet) within the bound now but beyond it after the
+  next update (oldest version <= learner - s), ascending: generation must finish them in this phase."""
+  check_max_staleness(max_staleness)
+  return sorted(g for g, v in versions.items()
+                if v is not None and staleness(learner_version, v) + 1 > max_staleness)
+
+
+def admit_groups(waiting: Mapping[int, WaitingGroup], learner_version: int, max_staleness: int,
+                 limit: int | None = None) -> Admission:
+  """``admit`` over whole finished groups (their oldest token decides): indices are group ids."""
+  return admit([Candidate(g, w.min_token_version, True, w.response_len_mean) for g, w in waiting.items()],
+               learner_version, max_staleness, limit=limit)

@@ -476,10 +476,8 @@ class Engine:
         params, self._cache, self._state, put(group_s, self.programs.state_shardings.done_s), *args,
         self._rng, version)
     self._read_rows()     # the previous chunk's finished rows: read while this one decodes
-    t = self.cfg.spec.seq_len
     done_s, response_len_s, sample_id_s, out_ids, out_n, taken, steps, tokens, refills, refill_tokens = fetch(
-        (self._state.done_s, self._state.response_len_s, self._state.sample_id_s, outbox[:, 3 * t + 3],
-         *counters))
+        (self._state.done_s, self._state.response_len_s, self._state.sample_id_s, *counters))
     by_id = {r.sample_id: r for r in self._occupant if r is not None}
     for _ in range(int(taken)):
       request = self._queue.popleft()

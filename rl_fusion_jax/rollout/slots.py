@@ -146,8 +146,8 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, static
   run time: one compile). The chunk ends after ``steps`` steps, once ``target`` is
   met, when nothing is left to decode or admit, or when the host must upload more requests. Finished
   samples are then all in the outbox, so every done slot is free. Returns (state, cache, outbox [O, 3T +
-  4] int32, number of outbox rows, requests taken from ``pending``, decode steps, tokens sampled,
-  refill prefills, and the rows x width they processed).
+  4] int32, its sample ids [O], number of outbox rows, requests taken from ``pending``, decode steps,
+  tokens sampled, refill prefills, and the rows x width they processed).
   """
   num_slots = state.done_s.shape[0]
   num_pending = pending.sample_id_q.shape[0]
@@ -222,7 +222,8 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, static
              out_n=zero, live_s=~state.done_s, group_s=group_s, remaining_g=target.remaining_g,
              filling=jnp.zeros((), bool))
   c = _move_done(jax.lax.while_loop(cond, body, c))
-  return c.state, c.cache, c.outbox, c.out_n, c.ptr, c.step, c.tokens, c.refills, c.refill_tokens
+  out_ids = c.outbox[:, -1]     # the sample ids (pack_rows' last column): what the host reads of the outbox
+  return c.state, c.cache, c.outbox, out_ids, c.out_n, c.ptr, c.step, c.tokens, c.refills, c.refill_tokens
 
 
 def prefill_widths(max_prompt_len: int, seq_len: int) -> tuple[int, ...]:
@@ -277,7 +278,7 @@ class SlotPrograms:
     self.chunk = jax.jit(
         ep(functools.partial(run_chunk, spec, self.new_widths, rows, static, (b1, b2))), donate_argnums=(1, 2),
         in_shardings=(param_shardings, cache_sh, state_sh, b1, rep, rep, rep, rep, rep),
-        out_shardings=(state_sh, cache_sh, rep, rep, rep, rep, rep, rep, rep))
+        out_shardings=(state_sh, cache_sh, rep, rep, rep, rep, rep, rep, rep, rep))
     self.init_cache = jax.jit(functools.partial(models.init_cache, spec.model, num_slots, spec.seq_len),
                               out_shardings=cache_sh)
     self.empty = jax.jit(functools.partial(empty_slots, num_slots, spec.seq_len),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from rl_fusion_jax.queue.staleness import WaitingGroup, admit_groups, at_risk_groups, stale_groups
 from rl_fusion_jax.sim.costs import Costs
 from rl_fusion_jax.sim.engine import PhaseCounts, SimEngine
 from rl_fusion_jax.sim.workload import Workload
@@ -118,10 +119,10 @@ def _colocated(w: Workload, sch: Schedule, costs: Costs, steps: int) -> SimResul
     engine.add(w.requests(position, new))
     position += new
     gver = lambda g: min(x.min_version for x in waiting[g])
-    for g in [g for g in waiting if learner - gver(g) > s]:
+    for g in stale_groups({g: gver(g) for g in waiting}, learner, s):
       del waiting[g]                     # beyond the bound: discarded (counted by the real loop)
     needed = w.num_prompts - len(waiting)
-    at_risk = sorted(g for g, v in engine.group_min_versions().items() if v is not None and v <= learner - s)
+    at_risk = at_risk_groups(engine.group_min_versions(), learner, s)
     counts, generate_s = PhaseCounts(), 0.0
     if s == 0:
       taken, counts = engine.run(learner)
@@ -133,8 +134,9 @@ def _colocated(w: Workload, sch: Schedule, costs: Costs, steps: int) -> SimResul
       generate_s = costs.gen.seconds(counts)
     for x in taken:
       waiting.setdefault(x.group_id, []).append(x)
-    eligible = sorted((g for g in waiting if learner - gver(g) <= s), key=lambda g: (gver(g), g))
-    batch = [x for g in eligible[:w.num_prompts] for x in waiting.pop(g)]
+    groups = {g: WaitingGroup(g, gver(g), tuple(x.sample_id for x in xs), 0.0) for g, xs in waiting.items()}
+    admitted = admit_groups(groups, learner, s, limit=w.num_prompts).admitted
+    batch = [x for g in admitted for x in waiting.pop(g)]
     tokens = _tokens(batch)
     train_s = costs.train.seconds(tokens)
     start = clock

@@ -51,14 +51,14 @@ class Processes:
     """Sends ``sig`` to process ``index`` (SIGTERM / SIGINT: a graceful stop, ``preemption.py``)."""
     self.procs[index].send_signal(sig)
 
-  def wait_for(self, predicate, timeout: float, what: str) -> None:
-    """Polls ``predicate()`` until true; AssertionError with the logs' tails when every process has
-    ended first or ``timeout`` seconds pass."""
+  def wait_for(self, predicate, timeout: float, what: str, interval: float = 0.02) -> None:
+    """Polls ``predicate()`` every ``interval`` seconds until true; AssertionError with the logs' tails
+    when every process has ended first or ``timeout`` seconds pass."""
     deadline = time.monotonic() + timeout
     while not predicate():
       if time.monotonic() > deadline or all(p.poll() is not None for p in self.procs):
         raise AssertionError(f"never saw {what}:\n" + "\n".join(self.log(i)[-3000:] for i in range(len(self.procs))))
-      time.sleep(0.02)
+      time.sleep(interval)
 
   def log(self, index: int) -> str:
     with open(self.logs[index], errors="replace") as f:
