@@ -162,16 +162,18 @@ QUICK_MODEL = ("--config.model.num_layers=2", "--config.model.scan_unroll=2", "-
                "--config.model.intermediate_size=192", "--config.model.num_heads=2", "--config.model.num_kv_heads=1")
 
 
-def exported_warmup(root: str, steps: int, cache: str, extra: tuple[str, ...] = ()) -> str:
+def exported_warmup(root: str, steps: int, cache: str, extra: tuple[str, ...] = (), variant: str = "") -> str:
   """The main job's warm-up (experiments/configs/arithmetic.py, ``steps`` supervised steps, warmup.seed 0)
   exported as a Hugging Face folder ROOT/warmup_hf (``grpo_main.py --export_hf``), made once and then
   reused: RL runs start from it with ``--config.model.hf_path`` and ``--config.warmup.steps=0``.
-  ``extra``: more overrides (``QUICK_MODEL``; the RL runs must then pass the same model fields)."""
+  ``extra``: more overrides (``QUICK_MODEL``; the RL runs must then pass the same model fields);
+  ``variant``: arithmetic.py's variant (e.g. ``steps``: the task with worked steps)."""
   out = os.path.join(root, "warmup_hf")
   if os.path.isfile(os.path.join(out, "model.safetensors")):
     return out
   os.makedirs(root, exist_ok=True)
   config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "arithmetic.py")
+  config += f":{variant}" if variant else ""
   print(f"warm-up ({steps} steps) -> {out}", flush=True)
   run_binary("grpo_main.py", [f"--config={config}", f"--workdir={os.path.join(root, 'warmup_run')}",
                               f"--compilation_cache={cache}", "--config.run.steps=0",

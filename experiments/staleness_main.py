@@ -21,6 +21,12 @@ Arms (every arm trains ``--steps`` x 16 prompts x 8 samples; only the schedule a
     the loss: stale tokens are trained on as if sampled now).
 Algorithms: ``grpo`` (arithmetic.py) and ``ppo`` (arithmetic.py:ppo, a critic and GAE).
 
+``--task=arithmetic_steps`` runs the grid on arithmetic.py:steps (chained + and - with worked steps,
+responses of 1-43 characters with a long tail: rewards/arithmetic_steps.py), GRPO only, with its own
+warm-up export; ``--arms`` keeps some arms (e.g. ``sync,s1_corrected``). The table then also gives, per
+StaleSync arm and seed, the RL seconds it took to reach the synchronous run's final held-out accuracy
+over the synchronous run's RL seconds.
+
 Writes WORKDIR/staleness.json (per run: the held-out greedy accuracy at every evaluation, the trained
 samples and the RL wall-clock seconds there, the measured staleness), WORKDIR/staleness.md (final
 accuracy per arm, mean +- standard deviation across seeds, min..max) and
@@ -51,6 +57,11 @@ _STALENESS = flags.DEFINE_list("staleness", ["1", "2", "4"], "max_staleness valu
 _STEPS = flags.DEFINE_integer("steps", 150, "RL steps per run (x 128 samples: the sample budget).")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 25, "Held-out evaluation every N RL steps.")
 _EVAL_PROBLEMS = flags.DEFINE_integer("eval_problems", 512, "Held-out problems per evaluation (greedy).")
+_ARMS = flags.DEFINE_list("arms", [], "Arms to run (default: every arm of the grid), e.g. sync,s1_corrected.")
+_TASK = flags.DEFINE_enum("task", "arithmetic", ["arithmetic", "arithmetic_steps"],
+                          "arithmetic: the main job's task (answers of 1-3 characters); arithmetic_steps: "
+                          "arithmetic.py:steps, chained + and - with worked steps (responses of 1-43 characters, "
+                          "a long tail; GRPO only).")
 _CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/rl_fusion_jax/jax_cache",
                              "Persistent XLA compilation cache of the runs ('' disables).")
 flags.mark_flags_as_required(["workdir"])
@@ -84,7 +95,7 @@ def run_one(root: str, hf: str, algo: str, arm: str, overrides: tuple[str, ...],
   workdir = os.path.join(root, "runs", f"{algo}_{arm}_seed{seed}")
   if os.path.isfile(os.path.join(workdir, "summary.json")):
     return workdir
-  variant = f":{ALGOS[algo]}" if ALGOS[algo] else ""
+  variant = f":{task_variant() or ALGOS[algo]}" if task_variant() or ALGOS[algo] else ""
   args = [f"--config={CONFIG}{variant}", f"--workdir={workdir}", f"--config.model.hf_path={hf}",
           "--config.warmup.steps=0", f"--config.run.seed={seed}", f"--config.run.steps={s['steps']}",
           f"--config.run.eval_every={s['eval_every']}", f"--config.task.eval_problems={s['eval_problems']}",
@@ -93,6 +104,37 @@ def run_one(root: str, hf: str, algo: str, arm: str, overrides: tuple[str, ...],
   seconds = common.run_binary("grpo_main.py", [f"--compilation_cache={_CACHE.value}"] + args, workdir + ".log")
   print(f"  {algo} {arm} seed {seed}: {seconds:.0f} s", flush=True)
   return workdir
+
+
+def task_variant() -> str:
+  """arithmetic.py's variant for ``--task`` ('' for the main job's task)."""
+  return "steps" if _TASK.value == "arithmetic_steps" else ""
+
+
+def time_to_sync_accuracy(results: dict) -> str:
+  """Per StaleSync arm: the RL seconds it took to reach the final held-out accuracy of the synchronous
+  run of the same seed (first evaluation at or above it), over that sync run's RL seconds; '-' where it
+  never did within the sample budget."""
+  lines = ["| algorithm | arm | per seed: seconds to sync's final accuracy / sync's RL seconds | mean (seeds that "
+           "reached it) | reached |", "|---|---|---|---|---|"]
+  for algo, by_arm in results.items():
+    sync = {r["seed"]: r for r in by_arm.get("sync", [])}
+    for arm, runs in by_arm.items():
+      if arm == "sync":
+        continue
+      ratios = []
+      for r in runs:
+        ref = sync.get(r["seed"])
+        if ref is None:
+          continue
+        goal = ref["points"][-1]["accuracy"]
+        hit = next((p["seconds"] for p in r["points"] if p["accuracy"] >= goal), None)
+        ratios.append(None if hit is None else hit / max(ref["rl_seconds"], 1e-9))
+      shown = ", ".join("-" if x is None else f"{x:.2f}" for x in ratios)
+      reached = [x for x in ratios if x is not None]
+      mean = f"{statistics.fmean(reached):.2f}" if reached else "-"
+      lines.append(f"| {algo} | {arm} | {shown} | {mean} | {len(reached)}/{len(ratios)} |")
+  return "\n".join(lines)
 
 
 def read_run(workdir: str) -> dict:
@@ -169,10 +211,18 @@ def main(argv):
   root = os.path.abspath(_WORKDIR.value)
   os.makedirs(os.path.join(root, "runs"), exist_ok=True)
   t0 = time.perf_counter()
-  hf = common.exported_warmup(root, s["warmup_steps"], _CACHE.value, common.QUICK_MODEL if _QUICK.value else ())
+  if task_variant() and any(ALGOS[a] for a in s["algos"]):
+    raise app.UsageError("--task=arithmetic_steps runs GRPO only (--algos=grpo)")
+  hf = common.exported_warmup(root, s["warmup_steps"], _CACHE.value, common.QUICK_MODEL if _QUICK.value else (),
+                              variant=task_variant())
   grid = arms(s["staleness"])
   if _QUICK.value:
     grid = {k: v for k, v in grid.items() if k in ("sync", "s1_corrected", "s1_uncorrected")}
+  if _ARMS.value:
+    unknown = sorted(set(_ARMS.value) - set(grid))
+    if unknown:
+      raise app.UsageError(f"--arms: unknown {unknown}; known: {sorted(grid)}")
+    grid = {k: v for k, v in grid.items() if k in _ARMS.value}
   results: dict[str, dict[str, list]] = {}
   for seed in s["seeds"]:           # seed-major: a partial grid already has every arm
     for algo in s["algos"]:
@@ -181,7 +231,7 @@ def main(argv):
       for arm, overrides in grid.items():
         workdir = run_one(root, hf, algo, arm, overrides, seed, s)
         results.setdefault(algo, {}).setdefault(arm, []).append(read_run(workdir) | {"seed": seed})
-  md = table(results)
+  md = table(results) + "\n\n" + time_to_sync_accuracy(results)
   plot(results, "samples", "samples trained", os.path.join(root, "staleness_samples.png"))
   plot(results, "seconds", "RL seconds (sum of step_s from step 2)", os.path.join(root, "staleness_wallclock.png"))
   with open(os.path.join(root, "staleness.md"), "w") as f:
@@ -189,7 +239,7 @@ def main(argv):
   with open(os.path.join(root, "staleness.json"), "w") as f:
     logs = [os.path.join(root, "warmup_run.log")] + [
         os.path.join(root, "runs", n) for n in os.listdir(os.path.join(root, "runs")) if n.endswith(".log")]
-    json.dump({"settings": s, "results": results, "seconds": time.perf_counter() - t0,
+    json.dump({"settings": s | {"task": _TASK.value}, "results": results, "seconds": time.perf_counter() - t0,
                "runs_seconds": sum(common.run_wall_seconds(p) for p in logs)}, f, indent=1)
   print(md)
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import rl_fusion_jax.testing
 from rl_fusion_jax.rewards import (
     TASKS,
+    ArithmeticStepsTask,
     ArithmeticTask,
     CountdownTask,
     GSM8KTask,
@@ -345,7 +346,7 @@ def test_gsm8k_missing_path_raises(tmp_path):
 
 
 def test_registry_builds_tasks():
-  assert set(TASKS) == {"arithmetic", "countdown", "gsm8k"}
+  assert set(TASKS) == {"arithmetic", "arithmetic_steps", "countdown", "gsm8k"}
   task = make_task("arithmetic", seed=3, ops="*")
   assert isinstance(task, ArithmeticTask) and task.ops == "*" and task.name == "arithmetic"
   assert isinstance(make_task("countdown", num_numbers=4), CountdownTask)
@@ -353,7 +354,7 @@ def test_registry_builds_tasks():
 
 
 def test_registry_unknown_name_lists_known():
-  with pytest.raises(ValueError, match="'chess'.*arithmetic, countdown, gsm8k"):
+  with pytest.raises(ValueError, match="'chess'.*arithmetic, arithmetic_steps, countdown, gsm8k"):
     make_task("chess")
 
 
@@ -454,3 +455,59 @@ def test_pass_at_k_large_n_is_finite():
 def test_pass_at_k_bad_arguments_raise(n, c, k, name):
   with pytest.raises(ValueError, match=name):
     pass_at_k(n, c, k)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Arithmetic with worked steps
+
+
+def _evaluate_left_to_right(prompt: str) -> list[int]:
+  """The running results of a '3+5-2=' prompt, parsed independently of the task's generator."""
+  tokens = re.findall(r"[+-]|[0-9]", prompt.rstrip("="))
+  value, out = int(tokens[0]), []
+  for op, digit in zip(tokens[1::2], tokens[2::2]):
+    value = value + int(digit) if op == "+" else value - int(digit)
+    out.append(value)
+  return out
+
+
+def test_arithmetic_steps_targets_recomputed_from_prompt_and_lengths_have_a_tail():
+  task = ArithmeticStepsTask(seed=5)
+  problems = [task.problem(i) for i in range(3000)]
+  for p in problems[:500]:
+    running = _evaluate_left_to_right(p.prompt)
+    assert p.target == ",".join(map(str, running)) and p.answer == str(running[-1])
+    assert len(running) == p.meta["terms"] - 1 and 2 <= p.meta["terms"] <= 12
+    assert task.score(p, p.target) == Score(1.1, True, True)
+  terms = collections.Counter(p.meta["terms"] for p in problems)
+  # min_terms 2 + a geometric draw of mean 2 (P(extra = k) = (1/3)(2/3)^k), capped at 12: a third of the
+  # problems have 2 operands, (2/3)^10 = 1.7% reach the cap.
+  assert abs(terms[2] / 3000 - 1 / 3) < 0.03 and abs(terms[12] / 3000 - (2 / 3) ** 10) < 0.01
+  prompt_max, target_max = task.max_lengths()
+  assert all(len(p.prompt) <= prompt_max and len(p.target) <= target_max for p in problems)
+  assert task.problem(7) == ArithmeticStepsTask(seed=5).problem(7) != ArithmeticStepsTask(seed=6).problem(7)
+
+
+@pytest.mark.parametrize("completion,format_ok,correct", [
+    ("8,6,13", True, True),
+    (" 8,6,13 ", True, True),
+    ("7,7,13", True, True),      # only the final answer is checked
+    ("8,6,12", True, False),
+    ("13", False, False),        # the answer without the worked steps
+    ("8,6,1,13", False, False),  # one step too many
+    ("8,,13", False, False),
+    ("8;6;13", False, False),
+    ("", False, False),
+])
+def test_arithmetic_steps_score_by_hand(completion, format_ok, correct):
+  problem = Problem(prompt="3+5-2+7=", answer="13", target="8,6,13", meta={"terms": 4})
+  score = ArithmeticStepsTask().score(problem, completion)
+  assert (score.format_ok, score.correct) == (format_ok, correct)
+  assert score.reward == pytest.approx(0.1 * format_ok + 1.0 * correct)
+
+
+@pytest.mark.parametrize("kwargs,field", [({"min_terms": 1}, "min_terms"), ({"max_terms": 1}, "max_terms"),
+                                          ({"tail": -1.0}, "tail"), ({"seed": -1}, "seed")])
+def test_arithmetic_steps_bad_config_raises(kwargs, field):
+  with pytest.raises(ValueError, match=field):
+    ArithmeticStepsTask(**kwargs)

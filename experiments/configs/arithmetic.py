@@ -98,6 +98,13 @@ def get_config(arg: str = ""):
     c.stalesync.enabled, c.stalesync.max_staleness, c.stalesync.rollout_fraction = True, 1, 0.5
     c.rollout.num_slots = 256          # every outstanding sample has a slot, so long tails stay in flight
     c.algo.policy_loss = "decoupled_ppo"
+  elif arg == "steps":
+    # Chained one-digit + and - with the running result written after each operation
+    # (rewards/arithmetic_steps.py): response lengths set by the problem, with a tail (2-12 operands).
+    c.task.name = "arithmetic_steps"
+    c.task.kwargs = dict(min_terms=2, max_terms=12, tail=2.0)
+    c.rollout.max_prompt_len, c.rollout.max_new_tokens = 24, 44
+    c.model.max_position_embeddings = 72
   elif arg:
-    raise ValueError(f"unknown variant {arg!r} of arithmetic.py; known: drgrpo, ppo, dapo, kl, stalesync")
+    raise ValueError(f"unknown variant {arg!r} of arithmetic.py; known: drgrpo, ppo, dapo, kl, stalesync, steps")
   return c

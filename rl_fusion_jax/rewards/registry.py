@@ -10,13 +10,15 @@ import inspect
 from typing import Any
 
 from rl_fusion_jax.rewards.arithmetic import ArithmeticTask
+from rl_fusion_jax.rewards.arithmetic_steps import ArithmeticStepsTask
 from rl_fusion_jax.rewards.base import Task
 from rl_fusion_jax.rewards.countdown import CountdownTask
 from rl_fusion_jax.rewards.gsm8k import GSM8KTask
 
 __all__ = ["TASKS", "make_task"]
 
-TASKS: dict[str, type] = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "gsm8k": GSM8KTask}
+TASKS: dict[str, type] = {"arithmetic": ArithmeticTask, "arithmetic_steps": ArithmeticStepsTask,
+                          "countdown": CountdownTask, "gsm8k": GSM8KTask}
 
 
 def make_task(name: str, **kwargs: Any) -> Task:
