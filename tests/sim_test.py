@@ -183,10 +183,6 @@ def test_fit_lognormal_matches_mean_and_batch_max():
   assert abs(x.mean() - 3.2) < 0.1 and abs(x.max(1).mean() - 4.4) < 0.3
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "results/runs/ was measured with the engine that refilled slots from the host between chunks; the replay "
-    "(sim/engine.py) now follows the device-side refill, so the stored runs' decode steps and chunk counts "
-    "are not this engine's: Table 1 must be remeasured (experiments/ablation_main.py) for this check to hold"))
 def test_fitted_simulation_within_15_percent_of_every_measured_run():
   # results/runs/: what the simulator reads of the runs behind RESULTS.md's Table 1 (both workloads,
   # the four variants, every repeat; written by experiments/report_main.py). Costs are fitted per
