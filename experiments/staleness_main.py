@@ -18,7 +18,9 @@ Arms (every arm trains ``--steps`` x 16 prompts x 8 samples; only the schedule a
     bound (staleness S in the steady state); one engine slot per outstanding sample; ``decoupled_ppo``
     (clip around the proximal policy, truncated behaviour weight, is_cap 5);
   * ``s{S}_uncorrected``: the same schedule with ``uncorrected`` (the behaviour log-probs never enter
-    the loss: stale tokens are trained on as if sampled now).
+    the loss: stale tokens are trained on as if sampled now);
+  * ``s{S}_corrected_same_slots`` (only with ``--arms``): ``s{S}_corrected`` on the synchronous arm's 128
+    slots, so a decode step costs the same in both (the outstanding groups beyond them wait queued).
 Algorithms: ``grpo`` (arithmetic.py) and ``ppo`` (arithmetic.py:ppo, a critic and GAE).
 
 ``--task=arithmetic_steps`` runs the grid on arithmetic.py:steps (chained + and - with worked steps,
@@ -57,6 +59,7 @@ _STALENESS = flags.DEFINE_list("staleness", ["1", "2", "4"], "max_staleness valu
 _STEPS = flags.DEFINE_integer("steps", 150, "RL steps per run (x 128 samples: the sample budget).")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 25, "Held-out evaluation every N RL steps.")
 _EVAL_PROBLEMS = flags.DEFINE_integer("eval_problems", 512, "Held-out problems per evaluation (greedy).")
+_WARMUP_STEPS = flags.DEFINE_integer("warmup_steps", 2500, "Supervised warm-up steps of the exported policy.")
 _ARMS = flags.DEFINE_list("arms", [], "Arms to run (default: every arm of the grid), e.g. sync,s1_corrected.")
 _TASK = flags.DEFINE_enum("task", "arithmetic", ["arithmetic", "arithmetic_steps"],
                           "arithmetic: the main job's task (answers of 1-3 characters); arithmetic_steps: "
@@ -79,6 +82,9 @@ def arms(staleness: list[int]) -> dict[str, tuple[str, ...]]:
                 f"rollout.num_slots={BATCH * (s + 1)}")
     out[f"s{s}_corrected"] = schedule + ("algo.policy_loss=decoupled_ppo",)
     out[f"s{s}_uncorrected"] = schedule + ("algo.policy_loss=uncorrected",)
+    # The engine of the synchronous arm (one slot per sample of an update): the outstanding groups beyond
+    # it wait queued, so a decode step costs what sync's does (the arm for wall-clock).
+    out[f"s{s}_corrected_same_slots"] = schedule[:-1] + (f"rollout.num_slots={BATCH}", "algo.policy_loss=decoupled_ppo")
   return out
 
 
@@ -88,7 +94,7 @@ def settings() -> dict:
                 warmup_steps=100)
   return dict(seeds=[int(s) for s in _SEEDS.value], algos=list(_ALGOS.value),
               staleness=[int(s) for s in _STALENESS.value], steps=_STEPS.value, eval_every=_EVAL_EVERY.value,
-              eval_problems=_EVAL_PROBLEMS.value, warmup_steps=2500)
+              eval_problems=_EVAL_PROBLEMS.value, warmup_steps=_WARMUP_STEPS.value)
 
 
 def run_one(root: str, hf: str, algo: str, arm: str, overrides: tuple[str, ...], seed: int, s: dict) -> str:
@@ -216,6 +222,8 @@ def main(argv):
   hf = common.exported_warmup(root, s["warmup_steps"], _CACHE.value, common.QUICK_MODEL if _QUICK.value else (),
                               variant=task_variant())
   grid = arms(s["staleness"])
+  if not _ARMS.value:
+    grid = {k: v for k, v in grid.items() if not k.endswith("_same_slots")}
   if _QUICK.value:
     grid = {k: v for k, v in grid.items() if k in ("sync", "s1_corrected", "s1_uncorrected")}
   if _ARMS.value:

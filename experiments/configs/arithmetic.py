@@ -103,7 +103,7 @@ def get_config(arg: str = ""):
     # (rewards/arithmetic_steps.py): response lengths set by the problem, with a tail (2-12 operands).
     c.task.name = "arithmetic_steps"
     c.task.kwargs = dict(min_terms=2, max_terms=12, tail=2.0)
-    c.rollout.max_prompt_len, c.rollout.max_new_tokens = 24, 44
+    c.rollout.max_prompt_len, c.rollout.max_new_tokens = 25, 44   # a BOS token + 24 characters; 43 + EOS
     c.model.max_position_embeddings = 72
   elif arg:
     raise ValueError(f"unknown variant {arg!r} of arithmetic.py; known: drgrpo, ppo, dapo, kl, stalesync, steps")
