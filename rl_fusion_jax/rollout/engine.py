@@ -166,9 +166,8 @@ class Engine:
     self._state = self.programs.empty()
     self._shards = shards
     self._widths_ready = False                   # every re-prefill width compiled (``_compile_widths``)
-    # Host view of the slot state as of the last fetch: done flags, response lengths, and the oldest
+    # Host view of the slot state as of the last fetch: response lengths and the oldest
     # version among each occupant's generated tokens (None: none yet).
-    self._done_s = np.ones((cfg.num_slots,), bool)
     self._response_len_s = np.zeros((cfg.num_slots,), np.int32)
     self._min_version_s: list[int | None] = [None] * cfg.num_slots
     self._cache = None
@@ -456,7 +455,7 @@ class Engine:
     self._occupant = [None] * self.cfg.num_slots
     for s, request in zip(slot_f, _requests(state, "flight.", "tokens_st")):
       self._occupant[int(s)] = request
-    self._done_s, self._response_len_s = host.done_s.copy(), host.response_len_s.copy()
+    self._response_len_s = host.response_len_s.copy()
     self._min_version_s = [
         _min_version(host.version_st[s], host.prompt_len_s[s], host.response_len_s[s]) if r is not None else None
         for s, r in enumerate(self._occupant)]
@@ -499,7 +498,7 @@ class Engine:
       else:
         version_s = policy_version   # admitted in this chunk: every token it has is of this run
       self._occupant[s], self._min_version_s[s] = new, version_s
-    self._done_s, self._response_len_s = np.array(done_s), np.array(response_len_s)
+    self._response_len_s = np.array(response_len_s)
     self._chunks += 1
     stats.update(decode_chunks=1, decode_steps=int(steps), generated_tokens=int(tokens),
                  refill_prefills=int(refills), prefill_rows=int(taken), prefill_tokens=int(refill_tokens))
