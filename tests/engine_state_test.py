@@ -170,21 +170,27 @@ def test_finish_groups_waits_and_returns_every_complete_group():
 
 def test_a_chunk_fetches_flags_and_finished_rows_not_the_slot_state(monkeypatch):
   # Per chunk the host reads [S] flags, lengths and sample ids, the outbox's [O] sample ids and scalar
-  # counters; per-token data only as the outbox [O, 3T + 4] of the samples that finished (O = S + the
-  # S uploaded requests), never a [S, T] field. The oldest version of each in-flight sample, kept on
-  # the host, equals the one in the slot state.
+  # counters; the finished samples only as blocks [3, size] of their packed numbers and responses (O = S
+  # + the S uploaded requests), never a [S, T] field nor a padded [O, 3T + 4] row. The oldest version of
+  # each in-flight sample, kept on the host, equals the one in the slot state.
   fetched = []
   real_get = jax.device_get
   monkeypatch.setattr(jax, "device_get", lambda x: fetched.append(jax.tree.leaves(x)) or real_get(x))
   mesh_cfg = MeshConfig(data=2, fsdp=2, tensor=2)     # 4 batch shards of 2 slots
   engine = make_engine(mesh_cfg=mesh_cfg)
   engine.add(requests(FORCED))
-  for version in (0, 1):
-    engine.run(jax.device_put(params(version), setup(mesh_cfg)[1]), version, target_groups=1)
+  stats = [engine.run(jax.device_put(params(version), setup(mesh_cfg)[1]), version, target_groups=1).stats
+           for version in (0, 1)]
   seq_len = SPEC.seq_len
+  blocks = [(3, size) for size in slots.PACK_BLOCKS]
   shapes = [tuple(x.shape) for leaves in fetched for x in leaves]
-  assert (8, seq_len) not in shapes and (16, 3 * seq_len + 4) in shapes
-  assert all(s in ((), (8,), (16,), (16, 3 * seq_len + 4)) for s in shapes), shapes
+  assert (3, slots.PACK_BLOCKS[-1]) in shapes
+  assert all(s in ((), (8,), (16,), *blocks) for s in shapes), shapes
+  # The bytes counted are the bytes fetched, against padded rows of the same samples (3 x T + 4 int32).
+  fetched_rows = sum(x.nbytes for leaves in fetched for x in leaves if x.shape in blocks)
+  assert sum(st["link_bytes/engine_to_host"] for st in stats) == fetched_rows
+  finished = sum(st["returned"] for st in stats) + engine.num_unreturned
+  assert sum(st["link_bytes/engine_to_host_padded"] for st in stats) == finished * (3 * seq_len + 4) * 4
   monkeypatch.setattr(jax, "device_get", real_get)
   host = jax.device_get(engine._state)
   for s, request in enumerate(engine._occupant):
@@ -194,9 +200,19 @@ def test_a_chunk_fetches_flags_and_finished_rows_not_the_slot_state(monkeypatch)
       assert engine._min_version_s[s] == oldest and length == engine._response_len_s[s]
       assert request.sample_id == host.sample_id_s[s]
   assert engine.num_in_flight and {1, 0} & set(engine._min_version_s)
-  # A packed row (what the outbox holds) unpacks to exactly the slot state's row, dtypes included.
-  rows = engine_lib._unpack_rows(np.asarray(slots.pack_rows(host)), seq_len)
-  for s, row in enumerate(rows):
+  # Rows packed on the device (what a chunk hands over) unpack to exactly the slot state's rows, dtypes
+  # included; the blocks cover [0, n) with fewer than the small block's size beyond it.
+  for n in (1, 63, 64, 1023, 1024, 1100, 2100):
+    starts = slots.block_starts(n)
+    assert starts[0][0] == 0 and all(a + m == b for (a, m), (b, _) in zip(starts, starts[1:]))
+    assert n <= starts[-1][0] + starts[-1][1] < n + slots.PACK_BLOCKS[-1]
+  live = [s for s, r in enumerate(engine._occupant) if r is not None]
+  outbox = slots.pack_rows(host)[np.asarray(live)]
+  flat, columns = jax.device_get(slots.pack_finished(outbox, len(live), SPEC.max_new_tokens))
+  k = len(live)
+  assert columns == k + host.response_len_s[live].sum() and not flat[:, columns:].any()
+  rows = engine_lib._unpack_rows(flat[:, k:columns], flat[:, :k].T, [engine._occupant[s] for s in live], seq_len)
+  for s, row in zip(live, rows):
     for name, value in row.items():
       np.testing.assert_array_equal(value, getattr(host, name)[s], err_msg=name)
       assert np.asarray(value).dtype == getattr(host, name).dtype, name

@@ -180,6 +180,11 @@ def test_packed_rows_update_equals_the_padded_update(tmp_path):
   for key in ("loss", "grad_norm", "entropy", "ratio", "reward"):
     assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
   assert b["pack/rows_used"] < 32 and b["pack/rows"] % 8 == 0 and "pack/rows" not in a
+  # The packed rows went straight from the host: the bytes put are those of pack/rows rows of 3 fields (and
+  # 6 numbers per sample), fewer than the padded update's [32, train_width] rows of the same fields.
+  assert b["queue/link_bytes/host_to_device"] == 12 * b["pack/rows"] * 24 + 24 * 32
+  assert b["queue/link_bytes/host_to_device_padded"] == 12 * 32 * b["train_width"] + 24 * 32
+  assert a["queue/link_bytes/engine_to_host"] < a["queue/link_bytes/engine_to_host_padded"]
   with pytest.raises(ValueError, match="config.optim.pack_rows"):
     tiny(**{"optim.pack_rows": True, "algo.policy_loss": "tis_seq"})
 

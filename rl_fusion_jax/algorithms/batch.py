@@ -9,8 +9,9 @@ object; ``orchestration/programs.py`` binds the config values.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from rl_fusion_jax.algorithms import advantages as advantages_lib
 from rl_fusion_jax.algorithms import registry
@@ -75,3 +76,27 @@ def train_batch_gae(rollout: Rollout, rewards_b: Float[Array, "b"], ref_logp_bt:
   batch = TrainBatch(tokens_bt=rollout.tokens_bt, mask_bt=mask_bt, advantages_bt=masked_whiten(adv_bt, mask_bt),
                      behaviour_logp_bt=rollout.logp_bt, ref_logp_bt=ref_logp_bt, version_bt=rollout.version_bt)
   return batch, stats, returns_bt
+
+
+def packed_train_batch(sample_rw: Int[Array, "r w"], mask_rw: Float[Array, "r w"],
+                       behaviour_logp_rw: Float[Array, "r w"], ref_logp_rw: Float[Array, "r w"],
+                       rewards_b: Float[Array, "b"], *, advantage: str, group_size: int, kl_coef: float,
+                       kl_estimator: str, kl_mode: str) -> tuple[Float[Array, "r w"], dict[str, Array]]:
+  """``train_batch``'s advantage stage on packed rows -> (advantages_rw, stats).
+
+  ``sample_rw``: the index of the sample each position belongs to (-1: padding). The sequence KL of
+  sample b sums its response tokens (a segment sum over sample_rw), the advantages come from the
+  per-sample rewards as in ``train_batch`` and are broadcast over each sample's response tokens.
+  """
+  num_samples = rewards_b.shape[0]
+  stats = {}
+  if kl_coef > 0:
+    kl_rw = registry.get_kl_estimator(kl_estimator)(behaviour_logp_rw, ref_logp_rw) * mask_rw
+    kl_b = jax.ops.segment_sum(kl_rw.reshape(-1), jnp.where(sample_rw < 0, num_samples, sample_rw).reshape(-1),
+                               num_segments=num_samples + 1)[:num_samples]
+    stats["kl_seq"] = jnp.mean(kl_b)
+    if kl_mode == "reward":
+      rewards_b = rewards_b - kl_coef * kl_b
+  adv_b = registry.get_advantage_fn(advantage)(rewards_b, group_size)
+  stats["advantage_abs_mean"] = jnp.mean(jnp.abs(adv_b))
+  return adv_b[jnp.maximum(sample_rw, 0)] * mask_rw, stats

@@ -1,7 +1,11 @@
 """The phases of a run: initial policy, supervised warm-up, evaluation, and one synchronous RL step.
 
-Each phase is recorded on the run's timeline under the device group that executes it. The host touches
-a step's data once, to decode and score the responses; everything else stays on the devices.
+Each phase is recorded on the run's timeline under the device group that executes it. The host decodes
+and scores the responses and places the update's batch: with ``optim.pack_rows`` (and no critic, reward
+model or separate aux mesh) as packed rows built from its samples (the reference log-probs and the
+advantage stage then run on packed rows, and nothing comes back); otherwise as padded rows, which the
+packed update with a critic, a reward model or an aux mesh still fetches back to pack. Bytes put and
+fetched per step are in ``queue/link_bytes/*``, each beside its padded equivalent.
 """
 from __future__ import annotations
 
@@ -249,7 +253,11 @@ def generation_phase(programs: Programs, state, step: int, timeline: Timeline, r
               # simulator's cost fit (rl_fusion_jax/sim/fit.py) reads the chunk, call and refill counts.
               **{f"engine/{k}": float(result.stats.get(k, 0))
                  for k in ("decode_chunks", "prefill_calls", "refill_prefills", "prefill_tokens", "prefill_rows",
-                           "reprefill_rows")}}
+                           "reprefill_rows")},
+              # Bytes the engine's fetches moved device -> host: finished rows packed (and what the same rows
+              # padded to seq_len would be), and the per-chunk control numbers (flags, lengths, counters).
+              **{f"queue/link_bytes/{k}": float(result.stats.get(f"link_bytes/{k}", 0))
+                 for k in ("engine_to_host", "engine_to_host_padded", "engine_control")}}
   return state, result, metrics
 
 
@@ -261,9 +269,40 @@ def guarded_update(update, *args):
     return update(*args)
 
 
+def _place_packed(setup: Setup, programs: Programs, rollout: Rollout):
+  """The host's samples as packed rows on the training mesh (first-fit decreasing into rows of
+  ``seq_len``, row count bucketed; ``packed_step.place_rows``) -> (rows, (positions, segment ids, sample
+  index, response mask) derived on the device, metrics: the packing and the bytes put against the padded
+  update's)."""
+  lengths = np.asarray(rollout.prompt_len_b) + np.asarray(rollout.response_len_b)
+  layout = packing.plan(lengths, setup.cfg.rollout.seq_len, programs.row_buckets)
+  rows, link = packed_step.place_rows(programs.mesh, layout, tokens_bt=rollout.tokens_bt,
+                                      behaviour_logp_bt=rollout.logp_bt, version_bt=rollout.version_bt,
+                                      prompt_len_b=rollout.prompt_len_b)
+  stats = {"pack/rows": float(layout.num_rows), "pack/rows_used": float(layout.rows_used),
+           "pack/padding_frac": float(1 - lengths.sum() / (layout.num_rows * layout.width)),
+           **{f"queue/link_bytes/{k}": v for k, v in link.items()}}
+  return rows, programs.row_layout(rows), stats
+
+
+def _packed_rows_update(programs: Programs, state, rows, row_fields, ref_logp_rw, rewards):
+  """The advantage stage and the update on packed rows -> (state, train metrics, batch stats)."""
+  positions_rw, segment_ids_rw, sample_rw, mask_rw = row_fields
+  rewards_b = distributed.put(np.asarray(rewards, np.float32), rows.row_b.sharding)
+  advantages_rw, batch_stats = programs.packed_advantages(sample_rw, mask_rw, rows.behaviour_logp_rw, ref_logp_rw,
+                                                          rewards_b)
+  batch = packed_step.PackedTrainBatch(
+      tokens_rw=rows.tokens_rw, positions_rw=positions_rw, segment_ids_rw=segment_ids_rw, mask_rw=mask_rw,
+      advantages_rw=advantages_rw, behaviour_logp_rw=rows.behaviour_logp_rw, ref_logp_rw=ref_logp_rw,
+      version_rw=rows.version_rw)
+  state, train_metrics = guarded_update(programs.packed_step, state, batch)
+  return state, train_metrics, batch_stats
+
+
 def _packed_update(setup: Setup, programs: Programs, state, rollout: Rollout, batch):
-  """The update on packed rows: the assembled batch is fetched, packed on the host by the samples' real
-  lengths (first-fit decreasing into rows of ``seq_len``, row count bucketed) and sent shard by shard."""
+  """The update on packed rows from an assembled padded batch (with a critic, a reward model or a separate
+  aux mesh): the batch is fetched, packed on the host by the samples' real lengths (first-fit decreasing
+  into rows of ``seq_len``, row count bucketed) and sent shard by shard."""
   host = distributed.fetch(batch)
   lengths = np.asarray(rollout.prompt_len_b) + np.asarray(rollout.response_len_b)
   layout = packing.plan(lengths, setup.cfg.rollout.seq_len, programs.row_buckets)
@@ -334,15 +373,21 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
   cfg, d = setup.cfg, programs.deployment
   width = batch_width(cfg, np.asarray(rollout.prompt_len_b) + np.asarray(rollout.response_len_b))
   rollout = cut_width(rollout, width)
-  if device_rollout is None:
-    device_rollout = jax.tree.map(lambda x: data.to_global(programs.mesh, x), rollout)
-  device_rollout = cut_width(device_rollout, width)
   metrics = {}
   t0 = time.perf_counter()
-  aux_tokens = _on_aux(programs, device_rollout.tokens_bt, rollout.tokens_bt)
-  ref_call = rm_call = None
+  ref_call = rm_call = rows = None
+  if programs.packed_inputs:     # packed rows straight from the host's samples (no padded batch)
+    rows, row_fields, pack_stats = _place_packed(setup, programs, rollout)
+    metrics |= pack_stats
+    ref_args = (programs.packed_ref_logprobs, ref_resting, rows.tokens_rw) + row_fields[:2]
+  else:
+    if device_rollout is None:
+      device_rollout = jax.tree.map(lambda x: data.to_global(programs.mesh, x), rollout)
+    device_rollout = cut_width(device_rollout, width)
+    aux_tokens = _on_aux(programs, device_rollout.tokens_bt, rollout.tokens_bt)
+    ref_args = (programs.ref_logprobs, ref_resting, aux_tokens)
   if cfg.algo.needs_reference:
-    ref_call = _AuxCall("reference", programs, timeline, step, programs.ref_logprobs, ref_resting, aux_tokens)
+    ref_call = _AuxCall("reference", programs, timeline, step, *ref_args)
   if programs.reward_model is not None:
     score_fn, rm_resting = programs.reward_model
     lengths = _on_aux(programs, None, rollout.prompt_len_b + rollout.response_len_b)
@@ -364,21 +409,26 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
     metrics |= ref_call.metrics
     if programs.aux_mesh is not programs.mesh:
       ref_logp = distributed.put(ref_logp, device_rollout.logp_bt.sharding)
-  else:
-    ref_logp = jnp.zeros_like(device_rollout.logp_bt)   # unused when kl_coef == 0
+  else:    # unused when kl_coef == 0
+    ref_logp = jnp.zeros_like(rows.behaviour_logp_rw if rows is not None else device_rollout.logp_bt)
   ref_s = time.perf_counter() - t0
   with timeline.phase("train", group=d.train_group, step=step):
     t0 = time.perf_counter()
-    rewards_dev = data.to_global(programs.mesh, rewards)
-    if critic is None:
-      batch, batch_stats = programs.assemble(device_rollout, rewards_dev, ref_logp)
+    if rows is not None:
+      state, train_metrics, batch_stats = _packed_rows_update(programs, state, rows, row_fields, ref_logp, rewards)
+      for key in ("host_to_device", "host_to_device_padded"):    # the rewards, [B] float32 either way
+        metrics[f"queue/link_bytes/{key}"] += np.asarray(rewards, np.float32).nbytes
     else:
-      batch, batch_stats, returns_bt = programs.assemble(device_rollout, rewards_dev, ref_logp, values_bt)
-    if programs.packed_step is None:
-      state, train_metrics = guarded_update(programs.train_step, state, batch)
-    else:
-      state, train_metrics, pack_stats = _packed_update(setup, programs, state, rollout, batch)
-      metrics |= pack_stats
+      rewards_dev = data.to_global(programs.mesh, rewards)
+      if critic is None:
+        batch, batch_stats = programs.assemble(device_rollout, rewards_dev, ref_logp)
+      else:
+        batch, batch_stats, returns_bt = programs.assemble(device_rollout, rewards_dev, ref_logp, values_bt)
+      if programs.packed_step is None:
+        state, train_metrics = guarded_update(programs.train_step, state, batch)
+      else:
+        state, train_metrics, pack_stats = _packed_update(setup, programs, state, rollout, batch)
+        metrics |= pack_stats
     train_metrics, batch_stats = distributed.fetch((train_metrics, batch_stats))
     train_s = time.perf_counter() - t0
   if critic is not None:
@@ -427,7 +477,8 @@ def rl_step(setup: Setup, programs: Programs, state, ref_resting, step: int, tim
 
 SUMMED_OVER_ROUNDS = ("generate_s", "engine/generated_tokens", "engine/decode_steps", "engine/decode_chunks",
                       "engine/prefill_calls", "engine/refill_prefills", "engine/prefill_tokens",
-                      "engine/prefill_rows", "engine/reprefill_rows")
+                      "engine/prefill_rows", "engine/reprefill_rows", "queue/link_bytes/engine_to_host",
+                      "queue/link_bytes/engine_to_host_padded", "queue/link_bytes/engine_control")
 
 
 def _generate_round(setup: Setup, programs: Programs, state, step: int, timeline: Timeline, first: int):

@@ -52,6 +52,14 @@ def assemble_gae_batch(cfg: ExperimentConfig, rollout: Rollout, rewards_b, ref_l
                                     kl_mode=a.kl_mode)
 
 
+def packed_advantages(cfg: ExperimentConfig, sample_rw, mask_rw, behaviour_logp_rw, ref_logp_rw, rewards_b):
+  """The advantage stage on packed rows (``algorithms/batch.py``'s ``packed_train_batch``)."""
+  a = cfg.algo
+  return algo_batch.packed_train_batch(sample_rw, mask_rw, behaviour_logp_rw, ref_logp_rw, rewards_b,
+                                       advantage=a.advantage, group_size=cfg.rollout.group_size,
+                                       kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_mode=a.kl_mode)
+
+
 @dataclasses.dataclass
 class Placement:
   """Optimizer, deployment and state shardings: everything a restore needs, built without compiling."""
@@ -129,6 +137,18 @@ class Programs:
                                                       models.param_logical_axes(model_cfg)))
     self.ref_logprobs = step_lib.make_logprob_fn(model_cfg, temperature, d.aux_mesh, self.ref_param_shardings,
                                                  d.train_rules)
+    # The packed update takes its rows straight from the host's samples (``packed_step.place_rows``): the
+    # reference log-probs and the advantage stage run on the packed rows, no padded batch is assembled.
+    # With a critic, a reward model or a separate aux mesh the padded batch is still assembled and packed.
+    self.packed_inputs = (self.packed_step is not None and not cfg.algo.uses_critic
+                          and setup.reward_model is None and d.aux_mesh is self.mesh)
+    if self.packed_inputs:
+      self.row_layout = packed_step.make_row_layout(self.mesh)
+      self.packed_ref_logprobs = packed_step.make_packed_logprob_fn(model_cfg, temperature, self.mesh,
+                                                                    self.param_shardings, d.train_rules)
+      b2 = mesh_lib.batch_sharding(self.mesh, 2)
+      self.packed_advantages = jax.jit(functools.partial(packed_advantages, cfg),
+                                       out_shardings=(b2, mesh_lib.replicated(self.mesh)))
     self.critic = None
     if cfg.algo.uses_critic:
       self.assemble = jax.jit(functools.partial(assemble_gae_batch, cfg),

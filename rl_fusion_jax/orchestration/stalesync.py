@@ -122,10 +122,16 @@ class StaleSync:
     from the same reads; of several processes (each holds a replica of the queue, filled alike), the rows
     the other processes fed come from one uncounted read of this replica (``counted=False``), so the
     queue's byte counters hold what this process fed. Both are as wide as the update runs
-    (``phases.batch_width`` of the admitted samples' lengths), never ``seq_len`` when that is wider."""
+    (``phases.batch_width`` of the admitted samples' lengths), never ``seq_len`` when that is wider.
+    With the packed update taking its rows from the host (``programs.packed_inputs``) there is no device
+    Rollout (None): the admitted samples are read once, as the host Rollout."""
     order = np.sort(np.asarray(indices, np.int64))
     lengths = self.queue.peek(order, ("prompt_len", "response_len"))
     width = phases.batch_width(self.setup.cfg, lengths["prompt_len"] + lengths["response_len"])
+    if self.programs.packed_inputs:
+      # The packed update places its rows from the host samples itself (``phases.train_phase``): one read,
+      # no padded device batch.
+      return host_rollout([self.queue.read(CONSUMER, order)], width), None
     reads: list[Batch] = []
 
     def read(part):

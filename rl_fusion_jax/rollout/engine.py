@@ -19,10 +19,13 @@ every decode step, the finished samples move to an outbox and free slots refill 
 ``min(prefill_rows, requests left)`` are free (``refill='static'``: only when every slot is free, the
 batch-at-a-time baseline), and the chunk ends after ``chunk_steps`` steps, at the step that meets the
 target, when nothing is left, or when the upload is spent and a refill is due. The host then fetches each
-slot's done flag, response length and sample id, the outbox's sample ids and the counters (3 x S + O + 6
-numbers); the outbox rows themselves ([O, 3T + 4], O = 2 x slots) are read after the next chunk is
-dispatched, so that transfer overlaps the decode. Nothing is read back per token, and the full slot
-state never is inside a run. The oldest token version of each in-flight sample is kept on the host from
+slot's done flag, response length and sample id, the outbox's sample ids and the counters (3 x S + O + 8
+numbers). The finished rows themselves are read after the next chunk is dispatched, so that transfer
+overlaps the decode, and they cross packed: the device concatenates their response tokens, log-probs and
+versions (``slots.pack_finished``) and the host fetches the blocks that hold them and three numbers per
+row (finished, prompt length, response length); prompts are never sent back, and nothing pads a row to
+``seq_len`` on the link (``link_bytes/engine_to_host`` against ``..._padded``). Nothing is read back per
+token, and the full slot state never is inside a run. The oldest token version of each in-flight sample is kept on the host from
 the response lengths (each chunk's tokens carry the run's version).
 
 Determinism: the engine's base key comes from ``seed`` and token t of a sample is drawn with key
@@ -175,7 +178,7 @@ class Engine:
     self._occupant: list[Request | None] = [None] * cfg.num_slots
     self._queue: collections.deque[Request] = collections.deque()
     self._finished: list[_Finished] = []
-    self._unread: list = []                      # (finished entries, the chunk's outbox on the device)
+    self._unread: list = []     # (finished entries, their requests, the chunk's packed rows on the device)
     self._ids: set[int] = set()                  # live samples: queued, in flight, or not yet returned
     self._group_added: collections.Counter = collections.Counter()
     self._group_returned: collections.Counter = collections.Counter()
@@ -283,7 +286,7 @@ class Engine:
           self._reprefill(params, stats)
           self._kv_valid = True
         self._chunk(params, version, policy_version, target, stats)
-      self._read_rows()
+      self._read_rows(stats)
     result = self._take(target)
     if not self.cfg.keep_cache and self._cache is not None:
       jax.tree.map(lambda x: x.delete(), self._cache)
@@ -465,27 +468,29 @@ class Engine:
 
   def _chunk(self, params, version, policy_version: int, target: _Target | None, stats) -> None:
     """Dispatches one chunk (``slots.run_chunk``: decode steps with refill and the target test on the
-    device), reads the outbox of the chunk before it (``_read_rows``: its transfer overlaps this chunk),
-    then fetches what the host needs to keep its view: each slot's done flag, response length and sample
-    id, the outbox's sample ids and counters (3 x S + O + 5 numbers)."""
+    device), reads the finished rows of the chunk before it (``_read_rows``: its transfer overlaps this
+    chunk), then fetches what the host needs to keep its view: each slot's done flag, response length and
+    sample id, the outbox's sample ids and counters (3 x S + O + 8 numbers)."""
     pending = list(itertools.islice(self._queue, self.programs.pending_rows))
     group_index, group_s, remaining_g = self._group_table(pending)
     args = self._chunk_inputs(pending, group_index, remaining_g, target)
-    self._state, self._cache, outbox, *counters = self.programs.chunk(
+    self._state, self._cache, flat, *counters = self.programs.chunk(
         params, self._cache, self._state, put(group_s, self.programs.state_shardings.done_s), *args,
         self._rng, version)
-    self._read_rows()     # the previous chunk's finished rows: read while this one decodes
-    done_s, response_len_s, sample_id_s, out_ids, out_n, taken, steps, tokens, refills, refill_tokens = fetch(
-        (self._state.done_s, self._state.response_len_s, self._state.sample_id_s, *counters))
+    self._read_rows(stats)     # the previous chunk's finished rows: read while this one decodes
+    (done_s, response_len_s, sample_id_s, out_ids, out_n, columns, taken, steps, tokens, refills,
+     refill_tokens) = fetch((self._state.done_s, self._state.response_len_s, self._state.sample_id_s, *counters))
+    stats["link_bytes/engine_control"] += sum(np.asarray(x).nbytes for x in (
+        done_s, response_len_s, sample_id_s, out_ids, out_n, columns, taken, steps, tokens, refills, refill_tokens))
     by_id = {r.sample_id: r for r in self._occupant if r is not None}
     for _ in range(int(taken)):
       request = self._queue.popleft()
       by_id[request.sample_id] = request
-    entries = [_Finished((self._chunks, i), by_id[int(sid)].group_id, None)
-               for i, sid in enumerate(out_ids[:int(out_n)])]
+    out = [by_id[int(sid)] for sid in out_ids[:int(out_n)]]
+    entries = [_Finished((self._chunks, i), r.group_id, None) for i, r in enumerate(out)]
     if entries:
       self._finished.extend(entries)
-      self._unread.append((entries, outbox))
+      self._unread.append((entries, out, flat, int(columns)))
     for s in range(self.cfg.num_slots):
       old = self._occupant[s]
       new = None if done_s[s] else by_id[int(sample_id_s[s])]
@@ -546,11 +551,20 @@ class Engine:
                              more_queued=np.bool_(len(self._queue) > len(pending)))
     return put((pend, goal, np.int32(self.cfg.chunk_steps)), self.programs.replicated)
 
-  def _read_rows(self) -> None:
-    """Reads every outbox not yet read (one transfer each) into its finished entries, then hands each
-    batch to ``on_finished``."""
-    for entries, outbox in self._unread:
-      for f, row in zip(entries, _unpack_rows(fetch(outbox)[:len(entries)], self.cfg.spec.seq_len)):
+  def _read_rows(self, stats) -> None:
+    """Reads the finished rows of every chunk not yet read into its entries, then hands each batch to
+    ``on_finished``. Only real tokens cross: the blocks of ``slots.pack_finished``'s buffer that hold each
+    row's (finished, prompt length, response length) and the responses; the prompts are the host's.
+    ``stats``: ``link_bytes/engine_to_host`` (bytes fetched) and ``..._padded`` (the same rows at
+    ``seq_len``: 3 per-token fields and 4 scalars, as a padded row would be)."""
+    seq_len = self.cfg.spec.seq_len
+    for entries, requests, flat, columns in self._unread:
+      blocks = fetch([self.programs.take_block[size](flat, start) for start, size in slots.block_starts(columns)])
+      flat_3n = np.concatenate(blocks, axis=1)[:, :columns]
+      stats["link_bytes/engine_to_host"] += sum(b.nbytes for b in blocks)
+      stats["link_bytes/engine_to_host_padded"] += len(entries) * (3 * seq_len + 4) * 4
+      k = len(entries)
+      for f, row in zip(entries, _unpack_rows(flat_3n[:, k:], flat_3n[:, :k].T, requests, seq_len)):
         f.row = row
       if self.on_finished is not None:
         self.on_finished(_stack([f.row for f in entries], self.cfg.spec.seq_len),
@@ -606,16 +620,27 @@ _ROW_FIELDS = ("tokens_st", "logp_st", "version_st", "prompt_len_s", "response_l
 _SLOT_FIELDS = _ROW_FIELDS + ("forced_len_s",)    # an in-flight row: every SlotState field but done_s
 
 
-def _unpack_rows(packed_k: np.ndarray, seq_len: int) -> list[dict]:
-  """The per-sample row dicts (``_ROW_FIELDS``, dtypes of the slot state: per-token fields as views of
-  one array per field, the rest numpy scalars) of ``slots.pack_rows`` rows."""
-  t = seq_len
-  tokens_kt, version_kt = packed_k[:, :t], packed_k[:, 2 * t:3 * t]
-  logp_kt = np.ascontiguousarray(packed_k[:, t:2 * t]).view(np.float32)
-  finished_k = packed_k[:, 3 * t].astype(bool)
-  return [{"tokens_st": tokens_kt[i], "logp_st": logp_kt[i], "version_st": version_kt[i],
-           "prompt_len_s": packed_k[i, 3 * t + 1], "response_len_s": packed_k[i, 3 * t + 2],
-           "finished_s": finished_k[i], "sample_id_s": packed_k[i, 3 * t + 3]} for i in range(len(packed_k))]
+def _unpack_rows(flat_3n: np.ndarray, meta_k3: np.ndarray, requests, seq_len: int) -> list[dict]:
+  """The per-sample row dicts (``_ROW_FIELDS``, dtypes and padding of the slot state: tokens 0, log-probs 0,
+  versions -1 past the sample) of ``slots.pack_finished``'s responses ``flat_3n`` (tokens, log-prob bits,
+  versions), the rows' ``meta_k3`` (finished, prompt length, response length) and their ``requests``."""
+  logp_n = np.ascontiguousarray(flat_3n[1]).view(np.float32)
+  rows, start = [], 0
+  for (finished, prompt_len, response_len), request in zip(meta_k3, requests):
+    p, n, prompt = int(prompt_len), int(response_len), request.prompt
+    if p != len(prompt):
+      raise RuntimeError(f"engine: sample {request.sample_id} finished with prompt_len {p}; its request's "
+                         f"prompt has {len(prompt)} tokens")
+    tokens_t, logp_t = np.zeros((seq_len,), np.int32), np.zeros((seq_len,), np.float32)
+    version_t = np.full((seq_len,), -1, np.int32)
+    tokens_t[:p] = prompt
+    tokens_t[p:p + n], logp_t[p:p + n], version_t[p:p + n] = (flat_3n[0, start:start + n], logp_n[start:start + n],
+                                                              flat_3n[2, start:start + n])
+    rows.append({"tokens_st": tokens_t, "logp_st": logp_t, "version_st": version_t, "prompt_len_s": np.int32(p),
+                 "response_len_s": np.int32(n), "finished_s": np.bool_(finished),
+                 "sample_id_s": np.int32(request.sample_id)})
+    start += n
+  return rows
 
 
 def _empty_rows(name: str, seq_len: int) -> np.ndarray:

@@ -71,7 +71,7 @@ def prefill(spec: GenerateSpec, width: int, params, cache, state: SlotState, slo
 
 def pack_rows(state: SlotState):
   """Every slot's row as one int32 [S, 3T + 4] array (one transfer): tokens, log-prob bits, versions,
-  then finished, prompt length, response length, sample id (``engine._unpack_rows`` reads it)."""
+  then finished, prompt length, response length, sample id (``pack_finished`` reads it)."""
   scalars_s4 = jnp.stack([state.finished_s.astype(jnp.int32), state.prompt_len_s, state.response_len_s,
                           state.sample_id_s], axis=1)
   return jnp.concatenate([state.tokens_st, jax.lax.bitcast_convert_type(state.logp_st, jnp.int32),
@@ -137,7 +137,7 @@ def _move_done(c: _Carry) -> _Carry:
 
 def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, static: bool, row_shardings, params,
               cache, state: SlotState, group_s, pending: Pending, target: ChunkTarget, steps, rng, version):
-  """At most ``steps`` decode steps with refill on the device -> (state, cache, outbox, counters).
+  """At most ``steps`` decode steps with refill on the device -> (state, cache, finished rows, counters).
 
   Before every step, while the free slots (done ones) reach ``min(rows, requests left)`` (``static``:
   every slot free), the finished samples still in slots move to the outbox and the next ``rows``
@@ -145,9 +145,10 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, static
   ``new_widths`` that holds their prompts but the last token (every width in the one program, picked at
   run time: one compile). The chunk ends after ``steps`` steps, once ``target`` is
   met, when nothing is left to decode or admit, or when the host must upload more requests. Finished
-  samples are then all in the outbox, so every done slot is free. Returns (state, cache, outbox [O, 3T +
-  4] int32, its sample ids [O], number of outbox rows, requests taken from ``pending``, decode steps,
-  tokens sampled, refill prefills, and the rows x width they processed).
+  samples are then all in the outbox, so every done slot is free. Returns (state, cache, the outbox packed
+  by ``pack_finished`` ([3, C]), its sample ids [O], number of outbox rows, the columns of the packed
+  buffer they fill, requests taken from ``pending``, decode steps, tokens sampled, refill prefills, and
+  the rows x width they processed).
   """
   num_slots = state.done_s.shape[0]
   num_pending = pending.sample_id_q.shape[0]
@@ -223,7 +224,53 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, static
              filling=jnp.zeros((), bool))
   c = _move_done(jax.lax.while_loop(cond, body, c))
   out_ids = c.outbox[:, -1]     # the sample ids (pack_rows' last column): what the host reads of the outbox
-  return c.state, c.cache, c.outbox, out_ids, c.out_n, c.ptr, c.step, c.tokens, c.refills, c.refill_tokens
+  flat, columns = pack_finished(c.outbox, c.out_n, spec.max_new_tokens)
+  return (c.state, c.cache, flat, out_ids, c.out_n, columns, c.ptr, c.step, c.tokens, c.refills, c.refill_tokens)
+
+
+# The host fetches ``pack_finished``'s buffer in blocks of these sizes (columns): as many large blocks as
+# fit in what it needs, then small ones, so at most SMALL - 1 columns beyond it cross, and one compiled
+# slice per size serves every block.
+PACK_BLOCKS = (1024, 64)
+
+
+def pack_finished(outbox, out_n, max_new_tokens: int):
+  """The outbox's first ``out_n`` rows as the host needs them, without padding -> (flat [3, C] int32, n).
+
+  Columns ``[0, out_n)`` of ``flat`` hold each row's finished flag, prompt length and response length;
+  columns ``[out_n, n)`` the rows' response tokens, log-prob bits and versions, sample after sample (row
+  k's ``response_len`` tokens from its ``prompt_len``); the rest is 0. ``C`` is a multiple of the largest
+  block that holds every row at ``max_new_tokens``. The prompts are not sent back: the host uploaded them.
+  """
+  num_rows = outbox.shape[0]
+  t = (outbox.shape[1] - 4) // 3
+  prompt_o = outbox[:, 3 * t + 1]
+  resp_o = jnp.where(jnp.arange(num_rows) < out_n, outbox[:, 3 * t + 2], 0)
+  end_o = jnp.cumsum(resp_o, dtype=jnp.int32)
+  big = PACK_BLOCKS[0]
+  cap = -(-num_rows * (max_new_tokens + 1) // big) * big
+  i_c = jnp.arange(cap, dtype=jnp.int32)
+  meta_c = i_c < out_n
+  r_c = i_c - out_n                                  # index into the response stream
+  k_c = jnp.clip(jnp.searchsorted(end_o, r_c, side="right"), 0, num_rows - 1)
+  real_c = (r_c >= 0) & (r_c < end_o[-1])
+  col_c = jnp.where(real_c, prompt_o[k_c] + r_c - (end_o[k_c] - resp_o[k_c]), 0)
+  row_c = jnp.minimum(i_c, num_rows - 1)
+  field = lambda m, offset: jnp.where(meta_c, outbox[row_c, 3 * t + m],
+                                      jnp.where(real_c, outbox[k_c, offset + col_c], 0))
+  return jnp.stack([field(0, 0), field(1, t), field(2, 2 * t)]), out_n + end_o[-1]
+
+
+def block_starts(n: int) -> list[tuple[int, int]]:
+  """(start, size) of the blocks that cover columns [0, n): large ones first, then small ones."""
+  big, small = PACK_BLOCKS
+  whole = n // big * big
+  return [(s, big) for s in range(0, whole, big)] + [(s, small) for s in range(whole, n, small)]
+
+
+def take_block(flat, start, size: int):
+  """Columns [start, start + size) of ``pack_finished``'s buffer: [3, size]."""
+  return jax.lax.dynamic_slice_in_dim(flat, start, size, axis=1)
 
 
 def prefill_widths(max_prompt_len: int, seq_len: int) -> tuple[int, ...]:
@@ -278,7 +325,9 @@ class SlotPrograms:
     self.chunk = jax.jit(
         ep(functools.partial(run_chunk, spec, self.new_widths, rows, static, (b1, b2))), donate_argnums=(1, 2),
         in_shardings=(param_shardings, cache_sh, state_sh, b1, rep, rep, rep, rep, rep),
-        out_shardings=(state_sh, cache_sh, rep, rep, rep, rep, rep, rep, rep, rep))
+        out_shardings=(state_sh, cache_sh) + (rep,) * 9)
+    self.take_block = {size: jax.jit(functools.partial(take_block, size=size), out_shardings=rep)
+                       for size in PACK_BLOCKS}
     self.init_cache = jax.jit(functools.partial(models.init_cache, spec.model, num_slots, spec.seq_len),
                               out_shardings=cache_sh)
     self.empty = jax.jit(functools.partial(empty_slots, num_slots, spec.seq_len),

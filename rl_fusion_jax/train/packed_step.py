@@ -25,6 +25,7 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
@@ -194,3 +195,81 @@ def make_packed_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx,
   fn = with_expert_parallel(fn, model_cfg, mesh, TRAIN_RULES if rules is None else rules)
   return jax.jit(fn, in_shardings=(shardings, packed_batch_shardings(mesh)),
                  out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Packed rows placed straight from the host's samples: no padded batch on the devices, none fetched back.
+# ----------------------------------------------------------------------------------------------------
+
+@flax.struct.dataclass
+class PackedRows:
+  """What the host sends for a packed update: the per-token fields as packed rows (split over the batch
+  axes, each shard's rows read once) and, per sample, where it sits (replicated, [B]).
+  Everything else of the rows (positions, segment ids, sample index, response mask) is derived on the
+  device by ``row_layout``."""
+  tokens_rw: jax.Array           # int32 [R, W]
+  behaviour_logp_rw: jax.Array   # float32 [R, W]
+  version_rw: jax.Array          # int32 [R, W]
+  row_b: jax.Array               # int32 [B], -1: an empty sample (no row)
+  start_b: jax.Array             # int32 [B]
+  length_b: jax.Array            # int32 [B], prompt + response
+  prompt_len_b: jax.Array        # int32 [B]
+  segment_b: jax.Array           # int32 [B], 1.. in its row's column order
+
+
+def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_bt, version_bt, prompt_len_b
+               ) -> tuple[PackedRows, dict[str, float]]:
+  """Host samples (right-padded rows, any width >= their lengths) -> ``PackedRows`` on ``mesh``, and the
+  bytes put: ``host_to_device`` (what crossed) and ``host_to_device_padded`` (the same three per-token
+  fields as [B, step.train_width] rows plus the same per-sample numbers: what the padded update places)."""
+  if layout.num_rows % batch_shards(mesh):
+    raise ValueError(f"{layout.num_rows} packed rows do not split over data*fsdp={batch_shards(mesh)} "
+                     "batch shards; take the row buckets from packing.row_multiple")
+  rows_fn = lambda x_rw: global_batch(batch_sharding(mesh, 2), x_rw.shape, x_rw.dtype, lambda a, b: x_rw[a:b])
+  token = lambda name, x, dtype: rows_fn(layout.pack(np.asarray(x, dtype), packing.PAD[name]))
+  i32 = lambda x: np.asarray(x, np.int32)
+  per_sample = dict(row_b=i32(layout.row_b), start_b=i32(layout.start_b), length_b=i32(layout.length_b),
+                    prompt_len_b=i32(prompt_len_b), segment_b=i32(layout.segment_b()))
+  rows = PackedRows(tokens_rw=token("tokens", tokens_bt, np.int32),
+                    behaviour_logp_rw=token("behaviour_logp", behaviour_logp_bt, np.float32),
+                    version_rw=token("version", version_bt, np.int32),
+                    **jax.device_put(per_sample, replicated(mesh)))
+  sample_bytes = sum(x.nbytes for x in per_sample.values())
+  width = step_lib.train_width(int(layout.length_b.max(initial=0)), layout.width)
+  return rows, {"host_to_device": float(3 * 4 * layout.num_rows * layout.width + sample_bytes),
+                "host_to_device_padded": float(3 * 4 * len(layout.length_b) * width + sample_bytes)}
+
+
+def row_layout(rows: PackedRows):
+  """(positions_rw, segment_ids_rw, sample_rw, mask_rw) of the packed rows, from the per-sample layout:
+  positions restart at 0 per sample, segment ids as ``packing``'s, sample_rw the sample's index (-1 on
+  padding), mask_rw 1 on response tokens (from the prompt length to the sample's end)."""
+  num_rows, width = rows.tokens_rw.shape
+  b = jnp.arange(rows.row_b.shape[0], dtype=jnp.int32)
+  row_b = jnp.where((rows.row_b >= 0) & (rows.length_b > 0), rows.row_b, num_rows)   # empty: dropped
+  owner_rw = jnp.full((num_rows, width), -1, jnp.int32).at[row_b, rows.start_b].set(b, mode="drop")
+  opened_rw = jnp.zeros((num_rows, width), jnp.int32).at[row_b, rows.start_b].set(rows.start_b + 1, mode="drop")
+  start_rw = jax.lax.cummax(opened_rw, axis=1) - 1          # where the sample covering each column began
+  sample_rw = jnp.take_along_axis(owner_rw, jnp.maximum(start_rw, 0), axis=1)
+  s_rw = jnp.maximum(sample_rw, 0)
+  pos_rw = jnp.arange(width, dtype=jnp.int32)[None, :] - start_rw
+  inside = (start_rw >= 0) & (pos_rw < rows.length_b[s_rw])
+  return (jnp.where(inside, pos_rw, 0), jnp.where(inside, rows.segment_b[s_rw], 0), jnp.where(inside, sample_rw, -1),
+          (inside & (pos_rw >= rows.prompt_len_b[s_rw])).astype(jnp.float32))
+
+
+def make_row_layout(mesh: Mesh):
+  """``row_layout`` jitted, its outputs split over the batch axes like the rows."""
+  b2 = batch_sharding(mesh, 2)
+  return jax.jit(row_layout, out_shardings=(b2, b2, b2, b2))
+
+
+def make_packed_logprob_fn(model_cfg, temperature: float, mesh: Mesh, param_shardings, rules=None):
+  """``fn(params, tokens_rw, positions_rw, segment_ids_rw) -> logp_rw`` (e.g. reference log-probs on
+  packed rows, equal to ``step.make_logprob_fn``'s on each sample's own padded row), one compile per row
+  bucket."""
+  b2 = batch_sharding(mesh, 2)
+  fn = lambda params, tokens_rw, positions_rw, segment_ids_rw: packed_token_logprobs(
+      model_cfg, params, tokens_rw, positions_rw, segment_ids_rw, temperature)[0]
+  fn = with_expert_parallel(fn, model_cfg, mesh, TRAIN_RULES if rules is None else rules)
+  return jax.jit(fn, in_shardings=(param_shardings, b2, b2, b2), out_shardings=b2)

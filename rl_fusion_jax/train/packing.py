@@ -147,14 +147,18 @@ class Layout:
   def positions_rw(self) -> Int[np.ndarray, "R W"]:
     return self.pack(np.broadcast_to(np.arange(self.width), (len(self.length_b), self.width)))
 
-  def segment_ids_rw(self) -> Int[np.ndarray, "R W"]:
-    """1, 2, ... per row in column order; 0 on padding."""
+  def segment_b(self) -> Int[np.ndarray, "B"]:
+    """Each sample's segment id: 1, 2, ... in its row's column order; 0 for an empty sample."""
     order = np.lexsort((self.start_b, self.row_b))
     placed = order[self.row_b[order] >= 0]
     rank = np.arange(len(placed)) - np.searchsorted(self.row_b[placed], self.row_b[placed])
     segment_b = np.zeros(len(self.length_b), np.int64)
     segment_b[placed] = rank + 1
-    return self.pack_per_sample(segment_b)
+    return segment_b
+
+  def segment_ids_rw(self) -> Int[np.ndarray, "R W"]:
+    """1, 2, ... per row in column order; 0 on padding."""
+    return self.pack_per_sample(self.segment_b())
 
   def stats(self) -> dict[str, float]:
     tokens = int(self.length_b.sum())
