@@ -13,9 +13,9 @@ Writes --results (default WORKDIR/RESULTS.md) and copies the figures next to it 
 results/ beside it; the full report also copies what the simulator reads of each measured run to
 FIGURES/runs/, which tests/sim_test.py validates the simulator against), with the commands, the
 seconds each part took in this invocation and the wall seconds its runs took when they were made
-(``common.run_wall_seconds``: from each run's log). Exits with status 1 when the fitted simulation misses a measured step time or tokens/s
-by more than 15% (full report only: the quick runs measure 2 steps with their compiles, which no simulator
-is held to).
+(``common.run_wall_seconds``: from each run's log). Exits with status 1 when a held-out (cross-schedule)
+prediction of the simulator misses a measured step time by more than 15% (full report only: the quick runs
+measure 2 steps with their compiles, which no simulator is held to); RESULTS.md is written either way.
 --quick: every part reduced (see each binary's --quick), parts 1 and 2 run at the same time; the figures
 it prints are a check that the pipeline works, not results.
 """
@@ -137,6 +137,144 @@ def _read(path: str) -> str:
     return f.read().strip()
 
 
+# ------------------------------------------------------------------------------------------- simulator
+
+REFERENCE_SYSTEM = (
+    "The reference system is the RL Fusion / StaleSync / DistQueue design this project implements, on "
+    "supernodes of 384 accelerators. It reports RL Fusion at 1.785x its separated baseline, RL Fusion + "
+    "StaleSync at 2.5x, and scaling from 1 to 4 supernodes at 85% of linear synchronous (25k -> 85k tok/s) "
+    "and 91% with StaleSync (35k -> 127k tok/s). Apart from the supernode's size, none of its figures enters "
+    "the simulator: they are printed beside the simulated ones.")
+
+CAN_AND_CANNOT = [
+    "What the simulator can show:",
+    "",
+    "* The engine's work per update for a configuration and its length draws: decode steps, chunks, in-chunk "
+    "refills, host prefill calls, prefill tokens (`sim/engine.py` replays `rollout/engine.py`; "
+    "tests/sim_test.py and tests/stalesync_test.py check every count against the real engine).",
+    "* Step time and trained tok/s of the runs measured here (the tiny model, both workloads, sync and "
+    "StaleSync, colocated and separated on this 2-core machine) from a cost model fitted on the other "
+    "schedule's runs, within the held-out errors above.",
+    "* At cluster scale, what follows from its inputs: how the schedules' step times respond to them (a "
+    "what-if), and which inputs move Table 2's linearity and by how much.",
+    "",
+    "What it cannot show:",
+    "",
+    "* Throughput at cluster scale. No cost figure at that scale was measured; every figure in the cluster "
+    "tables is a consequence of the inputs listed with their sources, and agreeing or disagreeing with the "
+    "reference system's figures validates nothing.",
+    "* Run-to-run variation of a shared machine (here up to {spread:.0%} in step time between repeats of "
+    "one configuration), compiles, memory limits, failures, network congestion, and learning (accuracy "
+    "under staleness: the last section measures that).",
+    "* Thread usage: the separated deployment's processor sharing is a stated model of this machine (2 "
+    "cores; 1 / 2 / 1 busy threads for generation / update / push), not a measurement, and the held-out "
+    "errors of that deployment depend on it (table above); its thread counts were chosen after the "
+    "StaleSync residuals had been seen, though not fitted to them.",
+    "* Per-group rollout engines with their own queues: the replay is this codebase's one SPMD engine over "
+    "all replicas. Table 2's tail barrier is the expected longest sample over all of a step's draws (the "
+    "same as the slowest group's longest when every sample has a slot), and StaleSync's is a first-order "
+    "1 / (s + 1) of it, not a replay.",
+    "* Stragglers: off by default (no per-device figure we could check); they slow both schedules alike, "
+    "so they cannot make StaleSync scale better than synchronous training.",
+]
+
+
+def held_out_findings(validation: dict) -> list[str]:
+  """Each held-out miss beyond the tolerance, with the measured step times of the same configuration's
+  other repeats."""
+  out = []
+  for c in validation["checks"]:
+    x = c["held_out"]
+    if x and abs(x["step_error"]) > _TOLERANCE:
+      others = [o["measured_step_s"] for o in validation["checks"] if o["workload"] == c["workload"]
+                and o["variant"] == c["variant"] and o["repeat"] != c["repeat"]]
+      out.append(f"* Miss: {c['workload']} {c['variant']} repeat {c['repeat']}, predicted from the "
+                 f"{c['fitted_on']} runs {x['simulated_step_s']:.3f} s a step, measured {c['measured_step_s']:.3f} s "
+                 f"({x['step_error']:+.1%}); the other repeats of the same configuration measured "
+                 + " and ".join(f"{o:.3f} s" for o in others) + ".")
+  return out
+
+
+def repeat_spread(validation: dict) -> float:
+  """The largest (slowest / fastest - 1) measured step time among the repeats of one configuration."""
+  by = {}
+  for c in validation["checks"]:
+    by.setdefault((c["workload"], c["variant"]), []).append(c["measured_step_s"])
+  return max(max(x) / min(x) - 1 for x in by.values())
+
+
+def table2_findings(cluster_json: dict) -> list[str]:
+  """What Table 2 predicts and, per swept input, the range of the linearity on 4 supernodes."""
+  r = cluster_json["ratios"]
+  out = [f"* Table 2 predicts {r['linearity_4_nodes_sync']:.1%} of linear on 4 supernodes synchronous and "
+         f"{r['linearity_4_nodes_stalesync']:.1%} with StaleSync under the default inputs (reference system: "
+         f"{cluster_json['reference']['linearity_4_nodes_sync']:.0%} and "
+         f"{cluster_json['reference']['linearity_4_nodes_stalesync']:.0%})."]
+  sync = cluster_json["table2"]["colocated_sync"]
+  four, longest = sync["scaled"]["4"], sync["longest"]
+  out.append(f"* Why, synchronous on 4 supernodes: the expected longest response of a step is {longest['1']:,.0f} "
+             f"tokens on 1 supernode and {longest['4']:,.0f} on 4 (cap {cluster_json['max_len']:,}), a tail barrier "
+             f"of {four['barrier_s']:.2f} s; all-reduce {1e3 * four['allreduce_s']:.1f} ms, weight publication "
+             f"{1e3 * four['publish_s']:.1f} ms, DistQueue {1e3 * four['queue_s']:.3f} ms, straggler factor "
+             f"{four['straggler']:.3f}; against a step of {four['step_s']:.1f} s.")
+  by_input = {}
+  for row in cluster_json["sweep"]:
+    by_input.setdefault((row["input"], row["tail"]), []).append(row)
+  for (name, tail), rows in by_input.items():
+    rng = lambda k: f"{min(x[k] for x in rows):.1%}-{max(x[k] for x in rows):.1%}"
+    out.append(f"* {name} ({', '.join(x['value'] for x in rows)}; length distribution {tail}): sync "
+               f"{rng('linearity_4_sync')}, StaleSync {rng('linearity_4_stalesync')}.")
+  return out
+
+
+def simulator_sections(validation: dict, sim: str) -> list[str]:
+  """RESULTS.md's simulator sections: the held-out validation first, then in-sample (labelled), what the
+  simulator can and cannot show, and the cluster tables."""
+  with open(os.path.join(sim, "cluster.json")) as f:
+    cluster_json = json.load(f)
+  held = [c for c in validation["checks"] if c["held_out"]]
+  good = sum(abs(c["held_out"]["step_error"]) <= _TOLERANCE for c in held)
+  return [
+      "## The simulator, validated against the measured runs",
+      "",
+      "`rl_fusion_jax/sim/` (no JAX) replays the engine's slot scheduling and the schedules step by step and "
+      "prices each step with costs fitted on measured runs (`sim/fit.py`): per decode step, per host call "
+      "(a decode chunk or a host prefill call, one shared cost), per in-chunk refill, per rollout phase, per "
+      "trained token, and the host time between phases; in the separated deployment each phase is first "
+      "scaled to its time alone by a processor-sharing model of the two processes on this machine's cores "
+      "(`costs.Sharing`).",
+      "",
+      f"**Held out (cross-schedule)**: per workload and deployment, costs fitted on the synchronous runs only "
+      f"predict the StaleSync runs, and costs fitted on the StaleSync runs predict the synchronous ones. "
+      f"Largest held-out error: **{validation['max_held_out_step_error']:.1%}** on step time "
+      f"({validation['max_held_out_tokens_error']:.1%} on tok/s); {good} of {len(held)} runs within "
+      f"{_TOLERANCE:.0%} on step time.",
+      "",
+      *held_out_findings(validation),
+      "",
+      f"**In-sample** (fitted on all runs of the workload and deployment, this one included: how well the model "
+      f"describes the runs, not a prediction): largest error {validation['max_in_sample_step_error']:.1%} on "
+      f"step time ({validation['max_in_sample_tokens_error']:.1%} on tok/s).",
+      "",
+      _read(os.path.join(sim, "validation.md")),
+      "",
+      REFERENCE_SYSTEM,
+      "",
+      *[line.format(spread=repeat_spread(validation)) for line in CAN_AND_CANNOT],
+      "",
+      "## Tables 1 and 2, simulated at cluster scale",
+      "",
+      "Every input is listed below with its source (`sim/cluster.py`); none was measured at cluster scale. "
+      "The schedules and the engine's slot scheduling are the simulator's replay of this codebase's; Table 2 "
+      "adds to the one-supernode replay the effects that grow with the supernodes (`cluster.scaled`).",
+      "",
+      *table2_findings(cluster_json),
+      "",
+      _read(os.path.join(sim, "cluster.md")),
+      "",
+  ]
+
+
 def main(argv):
   del argv
   root = os.path.abspath(_WORKDIR.value)
@@ -178,9 +316,7 @@ def main(argv):
   curves = [_copy(os.path.join(st, f"staleness_{k}.png"), figures, base) for k in ("samples", "wallclock")]
   if not _QUICK.value:
     export_runs(os.path.join(ab, "ablation.json"), os.path.join(figures, "runs"))
-  err = validation["max_abs_error"]
-  cross = max((abs(c[k]) for c in validation["checks"] for k in ("cross_step_error", "cross_tokens_error")
-               if c[k] is not None), default=0.0)
+  err = validation["max_held_out_step_error"]
   within = err <= _TOLERANCE
   seconds["total"] = time.perf_counter() - t0
   s = stale["settings"]
@@ -225,25 +361,7 @@ def main(argv):
       "Timelines of the measured steps (last repeat): " + ", ".join(f"[{os.path.basename(t)[9:-4]}]({t})"
                                                                    for t in timelines),
       "",
-      "## The simulator, validated against the measured runs",
-      "",
-      "`rl_fusion_jax/sim/` (no JAX). Costs fitted per workload and deployment on all of its measured runs "
-      "(`sim/fit.py`), then each run's configuration simulated (its workload, with forced lengths replayed "
-      "exactly, its schedule and step count) and compared; `cross-schedule` fits only on the other schedule "
-      "of the same deployment (sync <-> StaleSync) and predicts this one, a stricter test the tolerance "
-      f"does not apply to. Largest error of the fitted simulation: **{err:.1%}** (tolerance 15%: "
-      f"{'met' if within else 'NOT met'}); largest cross-schedule error: "
-      f"{cross:.1%}.",
-      "",
-      _read(os.path.join(sim, "validation.md")),
-      "",
-      "## Tables 1 and 2, simulated at cluster scale",
-      "",
-      "Every cost figure here is assumed (listed with its source below), none measured; the schedules and "
-      "the engine's slot scheduling are the simulator's replay of this codebase's.",
-      "",
-      _read(os.path.join(sim, "cluster.md")),
-      "",
+      *simulator_sections(validation, sim),
       "## Learning under staleness",
       "",
       f"The main job's task from one shared warm-up ({s['warmup_steps']} supervised steps, exported and "
@@ -262,7 +380,7 @@ def main(argv):
       ""]
   with open(results, "w") as f:
     f.write("\n".join(lines))
-  print(f"wrote {results} ({seconds['total']:.0f} s); simulator error {err:.1%}")
+  print(f"wrote {results} ({seconds['total']:.0f} s); largest held-out simulator error {err:.1%}")
   if not _QUICK.value and not within:
     sys.exit(1)
 

@@ -17,9 +17,16 @@ def test_quick_report_regenerates_every_section(tmp_path):
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   text = results.read_text()
   for heading in ("## Table 1, measured on this machine", "## The simulator, validated against the measured runs",
-                  "#### Simulated Table 1", "#### Simulated Table 2", "#### Sensitivity", "#### Assumed figures",
-                  "## Learning under staleness", "**Quick report**"):
+                  "#### Held out: fitted on one schedule's runs", "#### In-sample: fitted on all runs",
+                  "#### Separated deployment: held-out error", "#### Simulated Table 1", "#### Simulated Table 2",
+                  "#### What moves Table 2", "#### Cluster inputs and their sources", "## Learning under staleness",
+                  "**Quick report**"):
     assert heading in text, heading
+  # The simulator's section leads with the held-out validation; in-sample errors come after, labelled.
+  section = text[text.index("## The simulator, validated"):text.index("## Tables 1 and 2, simulated")]
+  assert section.index("**Held out (cross-schedule)**") < section.index("**In-sample**")
+  assert section.index("#### Held out") < section.index("#### In-sample")
+  assert "The reference system is" in section and "What it cannot show:" in section
   for variant in ("separated_sync", "separated_stalesync", "colocated_sync", "colocated_stalesync"):
     assert f"| longtail | {variant} |" in text
   figures = tmp_path / "results"

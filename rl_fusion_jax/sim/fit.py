@@ -2,23 +2,26 @@
 
 ``fit_costs(runs)`` takes runs of one deployment (colocated, or separated with one process per side) on
 one workload and fits, over all their measured steps:
-  * generation: ``generate_s`` against the engine's counts of the same step (``engine/decode_steps``,
-    ``engine/decode_chunks``, ``engine/prefill_calls``, and a constant per phase), non-negative least
-    squares; a count that does not vary across the steps is folded into the constant;
+  * generation: ``generate_s`` against the engine's counts of the same step (``GEN_TERMS``: decode
+    steps; host calls, i.e. decode chunks plus host prefill calls at one shared cost; in-chunk refills;
+    and a constant per phase), non-negative least squares; a term whose count does not vary across the
+    steps is folded into the constant;
   * the update: ``train_s`` against ``train_tokens`` (fixed + per token; the mean rate alone when the
     token counts hardly vary);
   * colocated: the mean of (time between update ends - generate_s - train_s) per step, split into
     ``gap_s`` (the time outside every timeline phase, from runs without compile steps) and ``other_s``;
   * separated: the rollout lane's other phases per batch (weights, switch, score, ship), the training
-    lane's (receive, reward, publish) and the weights' push (timeline phase means); generation and the
-    update fitted on the steps that ran while the other side was idle, and their slowdown while it was
-    busy (two processes sharing this machine's cores) on the others (``_fit_separated``).
+    lane's (receive, reward, publish) and the weights' push (timeline phase means); generation, the update
+    and the push fitted on their seconds alone: each measured phase scaled by the processor-sharing model
+    (``costs.Sharing``, ``MEASURED_MACHINE``) over the run's own measured overlaps (``_fit_separated``).
 ``workload_from_run`` rebuilds the workload (forced lengths exactly; otherwise a log-normal fitted to
 the measured mean and batch maximum of the response lengths) and ``schedule_from_run`` the schedule.
 ``validate`` simulates a run's configuration with fitted costs and compares step time (the mean time
 between update ends in the window) and trained tokens/s with what the run measured; the measured tokens/s is the
 "steady" one (``measure.summarize``: the window without the excess of steps a compile fell into, which
-the simulator does not model). Nothing here imports JAX.
+the simulator does not model). ``validate_manifest`` does it for every run of an ablation twice: held out
+(costs fitted on the runs of the other schedule only, sync <-> StaleSync) and in-sample (fitted on all
+runs of the workload and deployment, this one included). Nothing here imports JAX.
 """
 from __future__ import annotations
 
@@ -30,13 +33,21 @@ import statistics
 import numpy as np
 
 from rl_fusion_jax.sim import measure
-from rl_fusion_jax.sim.costs import Costs, GenCost, TrainCost
+from rl_fusion_jax.sim.costs import Costs, GenCost, Sharing, TrainCost
 from rl_fusion_jax.sim.engine import PhaseCounts
-from rl_fusion_jax.sim.schedules import Schedule, overlap, simulate
+from rl_fusion_jax.sim.schedules import Schedule, simulate
 from rl_fusion_jax.sim.workload import Workload, fit_lognormal
 
 GEN_FEATURES = (("decode_steps", "engine/decode_steps"), ("decode_chunks", "engine/decode_chunks"),
                 ("prefill_calls", "engine/prefill_calls"), ("refill_prefills", "engine/refill_prefills"))
+# Fitted terms -> the counts each one multiplies. A host prefill call and a decode chunk are each one
+# program call that takes and returns the whole KV cache with a host sync in between, so they share one
+# cost ("host_calls"): a synchronous run makes no prefill call (nothing is carried across updates), so
+# without the tie a fit on synchronous runs could not price the calls StaleSync makes. The committed runs
+# support it: fitted apart on all runs the two differ by under 7% (long tail 21.0 / 20.9 ms, arithmetic
+# 6.2 / 6.6 ms).
+GEN_TERMS = (("decode_steps", ("decode_steps",)), ("host_calls", ("decode_chunks", "prefill_calls")),
+             ("refill_prefills", ("refill_prefills",)))
 
 
 def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -53,20 +64,22 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def fit_gen(rows: list[dict]) -> GenCost:
+  """``generate_s`` = phase + sum over ``GEN_TERMS`` of cost x count (non-negative least squares); a term
+  whose count does not vary across the rows is folded into the per-phase constant."""
   rows = [m for m in rows if m.get("generate_s", 0.0) > 0 and "engine/decode_steps" in m]
   if not rows:
     raise ValueError("fit_gen: no measured step has a rollout phase with engine counts "
                      "(engine/decode_steps); rerun with this version of the loop")
+  keys = dict(GEN_FEATURES)
   y = np.array([m["generate_s"] for m in rows])
-  cols, names = [np.ones(len(rows))], ["phase"]
-  for name, key in GEN_FEATURES:
-    v = np.array([float(m.get(key, 0.0)) for m in rows])
+  cols, names = [np.ones(len(rows))], [("phase", ("phase",))]
+  for term, counts in GEN_TERMS:
+    v = np.array([sum(float(m.get(keys[c], 0.0)) for c in counts) for m in rows])
     if v.std() > 1e-9 * max(1.0, abs(v.mean())):
       cols.append(v)
-      names.append(name)
+      names.append((term, counts))
   coef = nnls(np.stack(cols, 1), y)
-  fitted = dict(zip(names, coef.tolist()))
-  return GenCost(**fitted)
+  return GenCost(**{c: float(x) for (_, counts), x in zip(names, coef) for c in counts})
 
 
 def fit_train(rows: list[dict]) -> TrainCost:
@@ -83,7 +96,14 @@ def compile_steps(run: measure.MeasuredRun) -> set[int]:
   return measure.compile_excess(run)[0]
 
 
-def fit_costs(runs: list[measure.MeasuredRun]) -> Costs:
+# The machine the committed runs were measured on: 2 cores (RESULTS.md, "Machine: 2 CPU cores (AMD EPYC)");
+# the thread counts are costs.Sharing's stated defaults.
+MEASURED_MACHINE = Sharing(cores=2)
+
+
+def fit_costs(runs: list[measure.MeasuredRun], sharing: Sharing = MEASURED_MACHINE) -> Costs:
+  """The costs of one deployment fitted on ``runs`` (see the module docstring); ``sharing``: the
+  separated deployment's processor-sharing model (ignored for colocated runs)."""
   modes = {r.mode for r in runs}
   if len(modes) != 1:
     raise ValueError(f"fit_costs: runs of one deployment at a time, got {sorted(modes)}")
@@ -99,10 +119,7 @@ def fit_costs(runs: list[measure.MeasuredRun]) -> Costs:
             for r in runs if not compile_steps(r)]
     gap_s = min(other_s, max(0.0, statistics.fmean(gaps))) if gaps else 0.0
     return Costs(gen, train, other_s=other_s - gap_s, gap_s=gap_s)
-  return _fit_separated(runs, rows, skip)
-
-
-ALONE = 0.25   # a phase overlapped by the other side for less than this share counts as running alone
+  return _fit_separated(runs, rows, skip, sharing)
 
 
 def _spans(run: measure.MeasuredRun, group: str, name: str | None = None) -> dict[int, tuple[float, float]]:
@@ -116,57 +133,46 @@ def _spans(run: measure.MeasuredRun, group: str, name: str | None = None) -> dic
   return out
 
 
-def _busy(run: measure.MeasuredRun, group: str) -> list[tuple[float, float]]:
-  return [(i.start, i.end) for i in run.timeline.intervals
-          if i.group == group and i.name not in measure.EXCLUDED_PHASES]
+def alone_shares(run: measure.MeasuredRun, sharing: Sharing) -> dict[str, dict[int, float]]:
+  """Separated: per activity ('gen', 'train', 'push') and 0-based step, the share of the measured
+  phase's duration its work would take alone (``Sharing.work`` over the run's measured timeline: 1 for a
+  phase that ran while the other activities were idle)."""
+  spans = {"gen": _spans(run, "rollout", "generate"), "train": _spans(run, "train", "train"),
+           "push": _spans(run, "train", "push")}
+  threads = {"gen": sharing.gen_threads, "train": sharing.train_threads, "push": sharing.push_threads}
+  out = {}
+  for name, by_step in spans.items():
+    others = [(a, b, threads[o]) for o in spans if o != name for a, b in spans[o].values()]
+    out[name] = {k: sharing.work(span, threads[name], others) / (span[1] - span[0]) if span[1] > span[0] else 1.0
+                 for k, span in by_step.items()}
+  return out
 
 
-def _contention(cost_fn, rows: list[tuple[dict, float]], measured_key: str) -> float:
-  """The slowdown factor c of ``measured = predicted x (1 + (c - 1) x overlap)``, median over the rows
-  overlapped for at least ALONE of their duration (1 when there are none)."""
-  cs = [1 + (m[measured_key] / cost_fn(m) - 1) / ov for m, ov in rows if ov >= ALONE and cost_fn(m) > 0]
-  return max(1.0, statistics.median(cs)) if cs else 1.0
-
-
-def _fit_separated(runs, rows, skip) -> Costs:
-  """Separated (one process per side): per measured step, the share of its generate phase during which
-  the trainer was busy and of its update during which the rollout side was; costs are fitted on the
-  steps that ran alone (when there are some: the synchronous runs) and the slowdown while overlapped
-  (``Costs.gen_contention`` / ``train_contention``) on the others."""
+def _fit_separated(runs, rows, skip, sharing: Sharing) -> Costs:
+  """Separated (one process per side on one machine): each measured generate, update and push phase is
+  scaled to the seconds its work takes alone (``alone_shares``: the processor-sharing model over the
+  run's own measured overlaps, nothing fitted), and the costs are fitted on those; the simulation then
+  slows the phases by the same model wherever its own schedule overlaps them."""
   gen_rows, train_rows, push = [], [], []
   for r in runs:
-    gen, upd, pushes = _spans(r, "rollout", "generate"), _spans(r, "train", "train"), _spans(r, "train", "push")
-    trainer, rollout = _busy(r, "train"), _busy(r, "rollout")
+    shares = alone_shares(r, sharing)
     for m in r.rows:
+      k = m["step"] - 1
       if (id(r), m["step"]) in skip:
         continue
-      k = m["step"] - 1
-      if k in gen:
-        gen_rows.append((m, overlap(gen[k], trainer)))
-      if k in upd:
-        train_rows.append((m, overlap(upd[k], rollout)))
-      if k in pushes:
-        push.append((pushes[k][1] - pushes[k][0], overlap(pushes[k], rollout)))
-  alone = lambda pairs: [m for m, ov in pairs if ov < ALONE]
-  gen_fit = alone(gen_rows) if len(alone(gen_rows)) >= 3 else [m for m, _ in gen_rows]
-  train_fit = alone(train_rows) if len(alone(train_rows)) >= 3 else [m for m, _ in train_rows]
-  gen, train = fit_gen(gen_fit or rows), fit_train(train_fit or rows)
-  gen_pred = lambda m: gen.seconds(_counts(m))
-  train_pred = lambda m: train.seconds(m["train_tokens"])
-  c_gen = _contention(gen_pred, gen_rows, "generate_s") if len(gen_fit) < len(gen_rows) else 1.0
-  c_train = _contention(train_pred, train_rows, "train_s") if len(train_fit) < len(train_rows) else 1.0
-  alone_push = [d for d, ov in push if ov < ALONE]
+      gen_rows.append(m | {"generate_s": m["generate_s"] * shares["gen"].get(k, 1.0)})
+      train_rows.append(m | {"train_s": m["train_s"] * shares["train"].get(k, 1.0)})
+    for k, (a, b) in _spans(r, "train", "push").items():
+      if r.warm <= k < r.warm + r.steps:
+        push.append((b - a) * shares["push"][k])
+  gen, train = fit_gen(gen_rows or rows), fit_train(train_rows or rows)
   phases = [r.phase_seconds() for r in runs]
   mean = lambda group, names: statistics.fmean(sum(p.get(group, {}).get(n, 0.0) for n in names) for p in phases)
   roll = {n for p in phases for n in p.get("rollout", {})} - {"generate"}
   trn = {n for p in phases for n in p.get("train", {})} - {"train", "push"}
-  push_s = statistics.fmean(alone_push) if alone_push else mean("train", ["push"])
-  c_push = 1.0
-  if alone_push and len(alone_push) < len(push):
-    cs = [1 + (d / push_s - 1) / ov for d, ov in push if ov >= ALONE]
-    c_push = max(1.0, statistics.median(cs)) if cs else 1.0
+  push_s = statistics.fmean(push) if push else mean("train", ["push"])
   return Costs(gen, train, other_s=mean("train", trn), rollout_other_s=mean("rollout", roll), push_s=push_s,
-               gen_contention=c_gen, train_contention=c_train, push_contention=c_push)
+               sharing=sharing)
 
 
 def _counts(m: dict) -> PhaseCounts:
@@ -232,40 +238,76 @@ def validate(name: str, run: measure.MeasuredRun, costs: Costs) -> Check:
                statistics.median(r.counts.decode_steps for r in sim.steps[run.warm:]))
 
 
-def validate_manifest(path: str) -> dict:
-  """Validates the simulator on the runs an ``experiments/ablation_main.py`` manifest (ablation.json) lists.
+def schedule_name(run: measure.MeasuredRun) -> str:
+  """'stalesync' for a run with a staleness bound above 0, else 'sync' (s = 0 is the synchronous loop)."""
+  s = run.config["stalesync"]
+  return "stalesync" if s["enabled"] and s["max_staleness"] > 0 else "sync"
 
-  Per workload and deployment, costs are fitted on all of its runs ("pooled") and on the runs of its other
-  schedules only ("cross-schedule"); every run is then simulated with both. Returns the checks, the
-  pooled costs and the largest pooled error (step time or tokens/s)."""
+
+def _check(c: Check) -> dict:
+  return {"simulated_step_s": c.simulated_step_s, "step_error": c.step_error,
+          "simulated_tokens_per_s": c.simulated_tokens_per_s, "tokens_error": c.tokens_error,
+          "simulated_decode_steps": c.simulated_decode_steps, "simulated_idle": c.simulated_idle}
+
+
+def load_manifest(path: str) -> dict[str, list[tuple[str, int, measure.MeasuredRun]]]:
+  """workload -> (variant, repeat, run) of every run an ablation manifest lists (run folders relative to
+  the manifest's own folder), each with the manifest's warm and measured steps."""
   with open(path) as f:
     ablation = json.load(f)
   warm, steps = ablation["warm_steps"], ablation["steps"]
+  here = os.path.dirname(os.path.abspath(path))
+  return {workload: [(v, i, measure.load(os.path.join(here, d), warm, steps)) for v, dirs in by_variant.items()
+                     for i, d in enumerate(dirs)] for workload, by_variant in ablation["workdirs"].items()}
+
+
+def validate_manifest(path: str, sharing: Sharing = MEASURED_MACHINE) -> dict:
+  """Validates the simulator on the runs an ``experiments/ablation_main.py`` manifest (ablation.json) lists.
+
+  Per workload and deployment, every run is simulated twice: "held_out", with costs fitted only on the
+  runs of the other schedule (fit on sync, predict StaleSync, and the reverse), and "in_sample", with
+  costs fitted on all runs of the workload and deployment, this one included. Returns one check per run,
+  the costs of every fit, and the largest errors of each kind (step time and tokens/s)."""
   out = {"checks": [], "costs": {}}
-  here = os.path.dirname(os.path.abspath(path))   # relative run folders are relative to the JSON
-  for workload, by_variant in ablation["workdirs"].items():
-    runs = {v: [measure.load(os.path.join(here, d), warm, steps) for d in dirs] for v, dirs in by_variant.items()}
+  for workload, runs in load_manifest(path).items():
     for mode in ("colocated", "separated"):
-      names = [v for v in runs if runs[v][0].mode == mode]
-      if not names:
+      mine = [(v, i, r) for v, i, r in runs if r.mode == mode]
+      if not mine:
         continue
-      pooled = fit_costs([r for v in names for r in runs[v]])
-      out["costs"][f"{workload}/{mode}"] = dataclasses.asdict(pooled)
-      for v in names:
-        others = [r for u in names if u != v for r in runs[u]]
-        cross = fit_costs(others) if others else None
-        for i, run in enumerate(runs[v]):
-          c = validate(f"{workload}/{v}", run, pooled)
-          x = validate(f"{workload}/{v}", run, cross) if cross else None
-          out["checks"].append({
-              "workload": workload, "variant": v, "repeat": i, "mode": mode,
-              "measured_step_s": c.measured_step_s, "simulated_step_s": c.simulated_step_s,
-              "step_error": c.step_error, "measured_tokens_per_s": c.measured_tokens_per_s,
-              "simulated_tokens_per_s": c.simulated_tokens_per_s, "tokens_error": c.tokens_error,
-              "measured_decode_steps": c.measured_decode_steps, "simulated_decode_steps": c.simulated_decode_steps,
-              "measured_idle": c.measured_idle, "simulated_idle": c.simulated_idle,
-              "cross_step_error": x.step_error if x else None,
-              "cross_tokens_error": x.tokens_error if x else None})
-  errors = [abs(c[k]) for c in out["checks"] for k in ("step_error", "tokens_error")]
-  out["max_abs_error"] = max(errors) if errors else None
+      pooled = fit_costs([r for _, _, r in mine], sharing)
+      out["costs"][f"{workload}/{mode}/all"] = dataclasses.asdict(pooled)
+      by_schedule = {}
+      for sch in sorted({schedule_name(r) for _, _, r in mine}):
+        others = [r for _, _, r in mine if schedule_name(r) != sch]
+        by_schedule[sch] = fit_costs(others, sharing) if others else None
+        if others:
+          out["costs"][f"{workload}/{mode}/fitted_without_{sch}"] = dataclasses.asdict(by_schedule[sch])
+      for v, i, run in mine:
+        c, held = validate(f"{workload}/{v}", run, pooled), by_schedule[schedule_name(run)]
+        x = validate(f"{workload}/{v}", run, held) if held else None
+        out["checks"].append({
+            "workload": workload, "variant": v, "repeat": i, "mode": mode, "schedule": schedule_name(run),
+            "fitted_on": "sync" if schedule_name(run) == "stalesync" else "stalesync",
+            "measured_step_s": c.measured_step_s, "measured_tokens_per_s": c.measured_tokens_per_s,
+            "measured_decode_steps": c.measured_decode_steps, "measured_idle": c.measured_idle,
+            "in_sample": _check(c), "held_out": _check(x) if x else None})
+  for kind in ("in_sample", "held_out"):
+    for key in ("step_error", "tokens_error"):
+      errors = [abs(c[kind][key]) for c in out["checks"] if c[kind]]
+      out[f"max_{kind}_{key}"] = max(errors) if errors else None
   return out
+
+
+def worst_held_out(v: dict) -> list[dict]:
+  """Per workload, deployment and predicted schedule: the largest held-out errors over its runs."""
+  out = {}
+  for c in v["checks"]:
+    if not c["held_out"]:
+      continue
+    key = (c["workload"], c["mode"], c["schedule"])
+    row = out.setdefault(key, {"workload": key[0], "mode": key[1], "predicted": key[2], "fitted_on": c["fitted_on"],
+                               "runs": 0, "max_step_error": 0.0, "max_tokens_error": 0.0})
+    row["runs"] += 1
+    row["max_step_error"] = max(row["max_step_error"], abs(c["held_out"]["step_error"]))
+    row["max_tokens_error"] = max(row["max_tokens_error"], abs(c["held_out"]["tokens_error"]))
+  return list(out.values())

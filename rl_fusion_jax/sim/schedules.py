@@ -10,7 +10,9 @@
 * ``separated`` (``orchestration/separated.py``, one process per side, reproducible weights): the
   rollout lane generates batch k whole under weights version max(0, k - s) and waits until that version
   has arrived; the training lane trains batch k at version k once it has been shipped, then pushes the
-  new weights (a background transfer of ``push_s``). s = 0 is the synchronous separated baseline.
+  new weights (a background transfer of ``push_s``). s = 0 is the synchronous separated baseline. When
+  the two sides share one machine's cores (``Costs.sharing``), every phase runs at the processor-sharing
+  rate while the others run.
 
 ``simulate`` returns per-step records and the same window figures ``experiments/ablation_main.py``
 measures: trained tokens/s between the end of the last unmeasured update and the end of the last
@@ -147,14 +149,6 @@ def _colocated(w: Workload, sch: Schedule, costs: Costs, steps: int) -> SimResul
   return SimResult(records, {"all": busy})
 
 
-def overlap(span: tuple[float, float], others: list[tuple[float, float]]) -> float:
-  """The share of ``span`` covered by the (disjoint, per lane) intervals ``others``."""
-  a, b = span
-  if b <= a:
-    return 0.0
-  return min(1.0, sum(max(0.0, min(b, y) - max(a, x)) for x, y in others) / (b - a))
-
-
 def _separated_pass(w, sch, costs, steps, base, stretch):
   """One timing pass of the separated schedule with each phase's duration stretched by ``stretch``."""
   s = sch.max_staleness
@@ -190,9 +184,9 @@ def _separated_pass(w, sch, costs, steps, base, stretch):
 
 def _separated(w: Workload, sch: Schedule, costs: Costs, steps: int) -> SimResult:
   """Batch k is generated whole (a fresh engine, so its counts depend on the batch alone). When the two
-  sides share processors (``costs.*_contention`` > 1: two processes on one
-  machine's cores), a phase is slowed in proportion to the share of it the other side is busy; the
-  schedule is iterated to a fixed point of those shares (the trainer's weight push counts as busy)."""
+  sides share one machine's cores (``costs.sharing``), each phase (generation, update, weight push) takes
+  as long as its work alone needs at the processor-sharing rate while the others run
+  (``costs.Sharing.finish``); the schedule is iterated to a fixed point of those stretch factors."""
   base = {"gen": [], "train": [], "tokens": [], "counts": []}
   for k in range(steps):
     engine = _engine(w, sch)
@@ -203,14 +197,17 @@ def _separated(w: Workload, sch: Schedule, costs: Costs, steps: int) -> SimResul
     base["train"].append(costs.train.seconds(base["tokens"][-1]))
     base["counts"].append(counts)
   stretch = {k: [1.0] * steps for k in ("gen", "train", "push")}
-  for _ in range(1 if costs.gen_contention == costs.train_contention == costs.push_contention == 1.0 else 12):
+  share = costs.sharing
+  alone = {"gen": lambda k: base["gen"][k], "train": lambda k: base["train"][k] + costs.other_s,
+           "push": lambda k: costs.push_s}
+  for _ in range(1 if share is None or share.cores <= 0 else 12):
     records, spans = _separated_pass(w, sch, costs, steps, base, stretch)
-    trainer = list(spans["train"].values()) + list(spans["push"].values())
-    rollout = list(spans["gen"].values())
+    threads = {"gen": share.gen_threads, "train": share.train_threads, "push": share.push_threads} if share else {}
     for k in range(steps):   # damped update of the stretch factors
-      for name, c, others in (("gen", costs.gen_contention, trainer), ("train", costs.train_contention, rollout),
-                              ("push", costs.push_contention, rollout)):
-        target = 1.0 + (c - 1.0) * overlap(spans[name][k], others)
+      for name in ("gen", "train", "push") if threads else ():
+        others = [(a, b, threads[o]) for o in threads if o != name for a, b in spans[o].values()]
+        start, work = spans[name][k][0], alone[name](k)
+        target = (share.finish(start, work, threads[name], others) - start) / work if work > 0 else 1.0
         stretch[name][k] = 0.5 * (stretch[name][k] + target)
   busy = {"rollout": sorted(spans["gen"].values()),
           "train": sorted(list(spans["train"].values()) + list(spans["push"].values()))}

@@ -4,7 +4,8 @@ Response lengths come from a clipped log-normal. ``Workload.forced`` reproduces
 ``orchestration/phases.py::forced_lengths`` exactly (a generator seeded with (run.seed, sample id)), so a
 simulated long-tail run draws the very lengths the measured one was forced to; otherwise lengths are
 drawn from one generator seeded with ``seed`` (the fitted distribution of a run whose lengths the policy
-chose). Pure numpy.
+chose). ``expected_longest`` is the expected longest of n draws (what a synchronous step waits for).
+Pure numpy.
 """
 from __future__ import annotations
 
@@ -78,3 +79,30 @@ def fit_lognormal(mean_len: float, mean_max: float, batch: int, max_len: int, dr
     if err < best[0]:
       best = (err, (lo + hi) / 2, float(sigma))
   return best[1], best[2]
+
+
+def length_cdf(k: np.ndarray, median: float, sigma: float, max_len: int) -> np.ndarray:
+  """P(length <= k) for integer ``k`` under ``lognormal_lengths``: round(median * exp(sigma * z)) <= k
+  iff median * exp(sigma * z) < k + 1/2 (ties have probability 0), clipped to [1, max_len]."""
+  k = np.asarray(k, np.float64)
+  if sigma <= 0:
+    p = (np.clip(np.rint(median), 1, max_len) <= k).astype(np.float64)
+  else:
+    x = np.log(np.maximum(k + 0.5, 1e-300) / median) / sigma
+    p = 0.5 * (1.0 + _erf(x / math.sqrt(2.0)))
+  return np.where(k < 1, 0.0, np.where(k >= max_len, 1.0, p))
+
+
+def expected_longest(median: float, sigma: float, max_len: int, n: int) -> float:
+  """E[max of n independent lengths] = sum over k >= 0 of P(max > k) = sum_{k=0}^{max_len-1} 1 - F(k)^n.
+
+  A synchronous step's generation ends with its longest sample: over all data-parallel groups, the
+  slowest group's longest sample, i.e. the longest of all n samples of the step. More groups at the same
+  samples per group draw more samples, hence a longer expected tail (until the cap ``max_len`` binds)."""
+  if n < 1:
+    raise ValueError(f"expected_longest: n must be >= 1, got {n}")
+  k = np.arange(max_len, dtype=np.float64)
+  return float(np.sum(1.0 - length_cdf(k, median, sigma, max_len) ** n))
+
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
