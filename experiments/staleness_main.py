@@ -20,7 +20,10 @@ Arms (every arm trains ``--steps`` x 16 prompts x 8 samples; only the schedule a
   * ``s{S}_uncorrected``: the same schedule with ``uncorrected`` (the behaviour log-probs never enter
     the loss: stale tokens are trained on as if sampled now);
   * ``s{S}_corrected_same_slots`` (only with ``--arms``): ``s{S}_corrected`` on the synchronous arm's 128
-    slots, so a decode step costs the same in both (the outstanding groups beyond them wait queued).
+    slots, so a decode step costs the same in both (the outstanding groups beyond them wait queued);
+  * ``s{S}_corrected_e2m2`` / ``s{S}_uncorrected_e2m2`` (only with ``--arms``): those arms with two epochs
+    of two mini-batches per batch (``algo.ppo_epochs``, ``algo.mini_batches``), where the clip acts
+    against the proximal policy and the two losses' gradients differ.
 Algorithms: ``grpo`` (arithmetic.py) and ``ppo`` (arithmetic.py:ppo, a critic and GAE).
 
 ``--task=arithmetic_steps`` runs the grid on arithmetic.py:steps (chained + and - with worked steps,
@@ -85,6 +88,12 @@ def arms(staleness: list[int]) -> dict[str, tuple[str, ...]]:
     # The engine of the synchronous arm (one slot per sample of an update): the outstanding groups beyond
     # it wait queued, so a decode step costs what sync's does (the arm for wall-clock).
     out[f"s{s}_corrected_same_slots"] = schedule[:-1] + (f"rollout.num_slots={BATCH}", "algo.policy_loss=decoupled_ppo")
+    # Two epochs of two mini-batches per batch: the clip now acts against the proximal policy, so the
+    # corrected and uncorrected losses differ in their gradients (with one update they weight tokens apart
+    # only through the behaviour weight).
+    several = ("algo.ppo_epochs=2", "algo.mini_batches=2")
+    out[f"s{s}_corrected_e2m2"] = out[f"s{s}_corrected"] + several
+    out[f"s{s}_uncorrected_e2m2"] = out[f"s{s}_uncorrected"] + several
   return out
 
 
@@ -223,7 +232,7 @@ def main(argv):
                               variant=task_variant())
   grid = arms(s["staleness"])
   if not _ARMS.value:
-    grid = {k: v for k, v in grid.items() if not k.endswith("_same_slots")}
+    grid = {k: v for k, v in grid.items() if not k.endswith(("_same_slots", "_e2m2"))}
   if _QUICK.value:
     grid = {k: v for k, v in grid.items() if k in ("sync", "s1_corrected", "s1_uncorrected")}
   if _ARMS.value:

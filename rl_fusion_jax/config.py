@@ -286,6 +286,13 @@ class AlgoConfig:
   # groups fill the batch; a batch still short is topped up with dropped groups and counted.
   dynamic_sampling: bool = False
   dynamic_sampling_rounds: int = 4
+  # Several optimizer updates per rollout batch (PPO epochs, verl's ppo_epochs / ppo_mini_batch_size, TRL's
+  # num_iterations): the batch's log-probs under the parameters before the first update are recorded as
+  # the proximal policy; each of ppo_epochs epochs shuffles the samples (seeded by run.seed and the step)
+  # and takes mini_batches updates on equal shares. The clip acts against the proximal policy, the
+  # behaviour weights against the sampling log-probs. 1 and 1: one update per batch, as without them.
+  ppo_epochs: int = 1
+  mini_batches: int = 1
 
   def __post_init__(self):
     from rl_fusion_jax.algorithms import registry  # deferred: registry imports jax
@@ -316,6 +323,15 @@ class AlgoConfig:
              f"must be a finite number >= 0, got {self.overlong_factor!r}")
     _require(isinstance(self.dynamic_sampling_rounds, int) and self.dynamic_sampling_rounds >= 0,
              "algo.dynamic_sampling_rounds", f"must be an int >= 0, got {self.dynamic_sampling_rounds!r}")
+    for name in ("ppo_epochs", "mini_batches"):
+      value = getattr(self, name)
+      _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"algo.{name}",
+               f"must be an int >= 1, got {value!r}")
+
+  @property
+  def updates_per_batch(self) -> int:
+    """Optimizer updates per rollout batch: ppo_epochs x mini_batches."""
+    return self.ppo_epochs * self.mini_batches
 
   @property
   def uses_critic(self) -> bool:
@@ -514,6 +530,11 @@ class ExperimentConfig:
              "the sequence-level loss 'tis_seq' sums over a row and cannot take packed rows")
     _require(r.batch_size % self.optim.micro_batches == 0, "optim.micro_batches",
              f"must divide the rollout batch num_prompts * group_size = {r.batch_size}")
+    _require(r.batch_size % a.mini_batches == 0, "algo.mini_batches",
+             f"must divide the rollout batch num_prompts * group_size = {r.batch_size}")
+    _require(r.batch_size // a.mini_batches % self.optim.micro_batches == 0, "optim.micro_batches",
+             f"must divide each of the algo.mini_batches={a.mini_batches} mini-batches of "
+             f"{r.batch_size // a.mini_batches} samples")
     _require(r.seq_len <= self.model.config.max_position_embeddings, "rollout.max_new_tokens",
              f"max_prompt_len + max_new_tokens = {r.seq_len} exceeds "
              f"model.config.max_position_embeddings = {self.model.config.max_position_embeddings}")

@@ -38,3 +38,6 @@ class TrainBatch:
   behaviour_logp_bt: jax.Array  # float32 [B, T]
   ref_logp_bt: jax.Array        # float32 [B, T] (zeros when no reference model is used)
   version_bt: jax.Array         # int32 [B, T]
+  # float32 [B, T]: log-probs under the parameters before the batch's first update (the proximal policy),
+  # when a batch takes several updates (algo.ppo_epochs / algo.mini_batches); None: the current parameters.
+  proximal_logp_bt: jax.Array | None = None

@@ -28,6 +28,7 @@ from rl_fusion_jax.orchestration.setup import Setup
 from rl_fusion_jax.rewards.base import pass_at_k, score_batch
 from rl_fusion_jax.rollout import workload
 from rl_fusion_jax.rollout.engine import Request
+from rl_fusion_jax.sharding import mesh as mesh_lib
 from rl_fusion_jax.timeline import Timeline
 from rl_fusion_jax.train import critic as critic_lib
 from rl_fusion_jax.train import packed_step, packing
@@ -282,12 +283,13 @@ def _place_packed(setup: Setup, programs: Programs, rollout: Rollout):
   stats = {"pack/rows": float(layout.num_rows), "pack/rows_used": float(layout.rows_used),
            "pack/padding_frac": float(1 - lengths.sum() / (layout.num_rows * layout.width)),
            **{f"queue/link_bytes/{k}": v for k, v in link.items()}}
-  return rows, programs.row_layout(rows), stats
+  return rows, programs.row_layout(rows) + (layout,), stats
 
 
-def _packed_rows_update(programs: Programs, state, rows, row_fields, ref_logp_rw, rewards):
-  """The advantage stage and the update on packed rows -> (state, train metrics, batch stats)."""
-  positions_rw, segment_ids_rw, sample_rw, mask_rw = row_fields
+def _packed_rows_update(setup: Setup, programs: Programs, state, step: int, rows, row_fields, ref_logp_rw,
+                        rewards):
+  """The advantage stage and the update(s) on packed rows -> (state, train metrics, batch stats)."""
+  positions_rw, segment_ids_rw, sample_rw, mask_rw, layout = row_fields
   rewards_b = distributed.put(np.asarray(rewards, np.float32), rows.row_b.sharding)
   advantages_rw, batch_stats = programs.packed_advantages(sample_rw, mask_rw, rows.behaviour_logp_rw, ref_logp_rw,
                                                           rewards_b)
@@ -295,8 +297,59 @@ def _packed_rows_update(programs: Programs, state, rows, row_fields, ref_logp_rw
       tokens_rw=rows.tokens_rw, positions_rw=positions_rw, segment_ids_rw=segment_ids_rw, mask_rw=mask_rw,
       advantages_rw=advantages_rw, behaviour_logp_rw=rows.behaviour_logp_rw, ref_logp_rw=ref_logp_rw,
       version_rw=rows.version_rw)
-  state, train_metrics = guarded_update(programs.packed_step, state, batch)
+  if not programs.several_updates:
+    state, train_metrics = guarded_update(programs.packed_step, state, batch)
+    return state, train_metrics, batch_stats
+  batch = batch.replace(proximal_logp_rw=programs.policy_packed_logprobs(state.params, rows.tokens_rw, positions_rw,
+                                                                         segment_ids_rw))
+  seq_len, rep = setup.cfg.rollout.seq_len, rows.row_b.sharding
+
+  def select(indices):
+    sub = packing.plan(layout.length_b[indices], seq_len, programs.mini_row_buckets)
+    placed = distributed.put(tuple(np.asarray(x, np.int32) for x in (sub.row_b, sub.start_b, indices)), rep)
+    return programs.mini_batch_rows(batch, rows.row_b, rows.start_b, rows.length_b, *placed, num_rows=sub.num_rows)
+
+  state, train_metrics = several_updates(setup, programs, state, step, len(layout.length_b), select,
+                                         programs.packed_step_prox)
   return state, train_metrics, batch_stats
+
+
+def several_updates(setup: Setup, programs: Programs, state, step: int, num_samples: int, select, update):
+  """``algo.ppo_epochs`` epochs of ``algo.mini_batches`` updates each on one batch -> (state, metrics).
+
+  Each epoch draws a permutation of the samples (seeded by run.seed, the step and the epoch) and splits
+  it into equal mini-batches (each in sample order); ``select(indices)`` builds a mini-batch on the
+  devices (it carries the proximal log-probs), ``update`` takes it. The updates leave the policy version
+  alone; it advances by one after the last. Metrics: every update metric averaged over the updates (the
+  divergence guard's ``nonfinite``: the first non-zero code), and per epoch ``ppo/epoch{e}/clip_frac`` and
+  ``ppo/epoch{e}/kl_proximal`` (KL to the proximal policy, k3 per token).
+  """
+  a = setup.cfg.algo
+  outs = []
+  for epoch in range(a.ppo_epochs):
+    order = np.random.default_rng([setup.cfg.run.seed, step, epoch]).permutation(num_samples)
+    for part in np.split(order, a.mini_batches):
+      state, m = guarded_update(update, state, select(np.sort(part)))
+      outs.append((epoch, m))
+  state = programs.bump_version(state)
+  fetched = distributed.fetch([m for _, m in outs])
+  combine = lambda k, values: max(values) if k.startswith(step_lib.MAX_PREFIX) else float(np.mean(values))
+  metrics = {k: combine(k, [float(m[k]) for m in fetched]) for k in fetched[0] if k != "nonfinite"}
+  metrics["nonfinite"] = next((float(m["nonfinite"]) for m in fetched if float(m["nonfinite"])), 0.0)
+  for epoch in range(a.ppo_epochs):
+    ms = [m for (e, _), m in zip(outs, fetched) if e == epoch]
+    for key in ("clip_frac", "kl_proximal"):
+      metrics[f"ppo/epoch{epoch}/{key}"] = float(np.mean([float(m[key]) for m in ms]))
+  return state, metrics
+
+
+def _padded_updates(setup: Setup, programs: Programs, state, step: int, batch):
+  """Several updates on a padded batch (``several_updates``): the proximal log-probs of the whole batch
+  first, then mini-batches of its rows."""
+  batch = batch.replace(proximal_logp_bt=programs.policy_logprobs(state.params, batch.tokens_bt))
+  rep = mesh_lib.replicated(programs.mesh)
+  select = lambda indices: programs.take_rows(batch, distributed.put(np.asarray(indices, np.int32), rep))
+  return several_updates(setup, programs, state, step, batch.tokens_bt.shape[0], select, programs.train_step_prox)
 
 
 def _packed_update(setup: Setup, programs: Programs, state, rollout: Rollout, batch):
@@ -415,7 +468,8 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
   with timeline.phase("train", group=d.train_group, step=step):
     t0 = time.perf_counter()
     if rows is not None:
-      state, train_metrics, batch_stats = _packed_rows_update(programs, state, rows, row_fields, ref_logp, rewards)
+      state, train_metrics, batch_stats = _packed_rows_update(setup, programs, state, step, rows, row_fields,
+                                                              ref_logp, rewards)
       for key in ("host_to_device", "host_to_device_padded"):    # the rewards, [B] float32 either way
         metrics[f"queue/link_bytes/{key}"] += np.asarray(rewards, np.float32).nbytes
     else:
@@ -424,7 +478,9 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
         batch, batch_stats = programs.assemble(device_rollout, rewards_dev, ref_logp)
       else:
         batch, batch_stats, returns_bt = programs.assemble(device_rollout, rewards_dev, ref_logp, values_bt)
-      if programs.packed_step is None:
+      if programs.packed_step is None and programs.several_updates:
+        state, train_metrics = _padded_updates(setup, programs, state, step, batch)
+      elif programs.packed_step is None:
         state, train_metrics = guarded_update(programs.train_step, state, batch)
       else:
         state, train_metrics, pack_stats = _packed_update(setup, programs, state, rollout, batch)
@@ -443,6 +499,7 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
   resp = rollout.response_len_b
   real_tokens = float((rollout.prompt_len_b + resp).sum())
   metrics |= {k: float(v) for k, v in {**train_metrics, **batch_stats}.items()}
+  metrics |= mismatch_metrics(metrics)
   metrics["is_weight_std"] = float(np.sqrt(max(metrics["is_weight_sq"] - metrics["is_weight"] ** 2, 0.0)))
   metrics |= {
       "response_len_mean": float(resp.mean()), "response_len_max": float(resp.max()),
@@ -451,6 +508,20 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
       "train_tokens": real_tokens, "train_tokens_per_s": real_tokens / train_s, "train_width": float(width),
       "policy_version": float(step + 1)}
   return state, metrics
+
+
+def mismatch_metrics(metrics: dict) -> dict:
+  """The update's sampler/trainer agreement sums (``step.rl_loss_from_logprobs``; removed from
+  ``metrics``) -> ``mismatch/logp_abs_max``, ``mismatch/logp_abs_mean``, ``mismatch/kl`` (means over the
+  response tokens sampled by the parameters the update started from) and ``mismatch/tokens_frac`` (their
+  share of the response tokens; 0: none, and the three are 0)."""
+  if "mismatch/current_frac" not in metrics:
+    return {}
+  frac = metrics.pop("mismatch/current_frac")
+  mean = lambda key: metrics.pop(key) / frac if frac else 0.0 * metrics.pop(key)
+  return {"mismatch/logp_abs_max": metrics.pop(step_lib.MAX_PREFIX + "mismatch/logp_abs"),
+          "mismatch/logp_abs_mean": mean("mismatch/logp_abs_weighted"), "mismatch/kl": mean("mismatch/kl_weighted"),
+          "mismatch/tokens_frac": frac}
 
 
 def rl_step(setup: Setup, programs: Programs, state, ref_resting, step: int, timeline: Timeline,

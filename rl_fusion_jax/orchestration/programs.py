@@ -128,8 +128,8 @@ class Programs:
       # With pipeline stages every micro-batch also splits into whole pipeline pieces on every batch shard.
       stages = mesh_lib.num_stages(self.mesh)
       pieces = (cfg.optim.pipeline_micro_batches or stages) if stages > 1 else 1
-      multiple = packing.row_multiple(mesh_lib.batch_shards(self.mesh) * pieces, cfg.optim.micro_batches)
-      self.row_buckets = packing.row_buckets(r.batch_size, multiple, per_doubling=2)
+      self._row_multiple = packing.row_multiple(mesh_lib.batch_shards(self.mesh) * pieces, cfg.optim.micro_batches)
+      self.row_buckets = packing.row_buckets(r.batch_size, self._row_multiple, per_doubling=2)
     # Reference and reward models run on the deployment's aux mesh (the training mesh unless hybrid).
     self.aux_mesh = d.aux_mesh
     self.ref_param_shardings = (self.param_shardings if d.aux_mesh is self.mesh else
@@ -149,6 +149,7 @@ class Programs:
       b2 = mesh_lib.batch_sharding(self.mesh, 2)
       self.packed_advantages = jax.jit(functools.partial(packed_advantages, cfg),
                                        out_shardings=(b2, mesh_lib.replicated(self.mesh)))
+    self._several_updates(cfg, model_cfg, temperature, d)
     self.critic = None
     if cfg.algo.uses_critic:
       self.assemble = jax.jit(functools.partial(assemble_gae_batch, cfg),
@@ -162,6 +163,41 @@ class Programs:
     self.reward_model = self._reward_model(setup)
     self.verify = VerifyStage(setup.train_task, setup.tokenizer, r.group_size, cfg.task.verify_workers)
     self.engine.on_finished = self.verify.submit
+
+  def _several_updates(self, cfg: ExperimentConfig, model_cfg, temperature: float, d) -> None:
+    """With ``algo.ppo_epochs`` / ``algo.mini_batches`` (several updates per batch): the update variants
+    that take the proximal log-probs and leave the policy version alone, the policy's log-prob program
+    (the proximal policy), the mini-batch selection and the version bump after the last update."""
+    a, r = cfg.algo, cfg.rollout
+    self.several_updates = a.updates_per_batch > 1
+    if not self.several_updates:
+      return
+    shards, rows = mesh_lib.batch_shards(self.mesh), r.batch_size // a.mini_batches
+    if rows % shards:
+      raise ValueError(f"config.algo.mini_batches={a.mini_batches}: mini-batches of {rows} samples do not "
+                       f"split over the {shards} batch shards (data x fsdp)")
+    if self.packed_step is not None and not self.packed_inputs:
+      raise ValueError(f"config.algo.ppo_epochs={a.ppo_epochs}, mini_batches={a.mini_batches}: several updates "
+                       "per batch on packed rows need the packed rows placed from the host, which a critic, a "
+                       "reward model or fusion.mode=hybrid rule out; set optim.pack_rows=False")
+    self.policy_logprobs = step_lib.make_logprob_fn(model_cfg, temperature, self.mesh, self.param_shardings,
+                                                    d.train_rules)
+    self.bump_version = jax.jit(step_lib.bump_policy_version, donate_argnums=(0,),
+                                out_shardings=self.state_shardings)
+    if self.packed_step is None:
+      self.train_step_prox = step_lib.make_rl_step(model_cfg, a, temperature, self.tx, self.micro, self.mesh,
+                                                   r.max_new_tokens, self.state_shardings, d.train_rules,
+                                                   proximal=True)
+      self.take_rows = jax.jit(lambda batch, idx: jax.tree.map(lambda x: x[idx], batch),
+                               out_shardings=step_lib.batch_shardings(self.mesh, proximal=True))
+    else:
+      self.packed_step_prox = packed_step.make_packed_rl_step(
+          model_cfg, a, temperature, self.tx, self.micro, self.mesh, r.max_new_tokens, self.state_shardings,
+          pipeline_micro=cfg.optim.pipeline_micro_batches, rules=d.train_rules, proximal=True)
+      self.policy_packed_logprobs = packed_step.make_packed_logprob_fn(model_cfg, temperature, self.mesh,
+                                                                       self.param_shardings, d.train_rules)
+      self.mini_batch_rows = packed_step.make_mini_batch_rows(self.mesh)
+      self.mini_row_buckets = packing.row_buckets(rows, self._row_multiple, per_doubling=2)
 
   def _reward_model(self, setup: Setup):
     """(score fn, resting params) of the learned reward model on the aux mesh, or None. The host params

@@ -57,13 +57,16 @@ class PackedTrainBatch:
   behaviour_logp_rw: jax.Array  # float32 [R, W]
   ref_logp_rw: jax.Array        # float32 [R, W]
   version_rw: jax.Array         # int32 [R, W]
+  proximal_logp_rw: jax.Array | None = None   # float32 [R, W]: as TrainBatch.proximal_logp_bt
 
 
-FIELDS = tuple(f.name for f in dataclasses.fields(PackedTrainBatch))
+# The fields a host PackedBatch carries (the proximal log-probs are computed on the device).
+FIELDS = tuple(f.name for f in dataclasses.fields(PackedTrainBatch) if f.name != "proximal_logp_rw")
 
 
-def packed_batch_shardings(mesh: Mesh) -> PackedTrainBatch:
-  return PackedTrainBatch(**{name: batch_sharding(mesh, 2) for name in FIELDS})
+def packed_batch_shardings(mesh: Mesh, proximal: bool = False) -> PackedTrainBatch:
+  b2 = batch_sharding(mesh, 2)
+  return PackedTrainBatch(**{name: b2 for name in FIELDS}, proximal_logp_rw=b2 if proximal else None)
 
 
 def device_batch(mesh: Mesh, packed: packing.PackedBatch) -> PackedTrainBatch:
@@ -129,14 +132,15 @@ def packed_token_weights(mask_rw: Float[Array, "R W"], segment_ids_rw: Int[Array
 
 
 def packed_rl_loss(model_cfg: models.ModelConfig, algo: AlgoConfig, temperature: float, params,
-                   batch: PackedTrainBatch, weights, *, hidden_fn=decoder.hidden_with_aux):
+                   batch: PackedTrainBatch, weights, *, hidden_fn=decoder.hidden_with_aux, current_version=None):
   """``step.rl_loss`` on packed rows (router aux over the non-padding tokens)."""
   logp_rw, entropy_rw, aux = packed_token_logprobs(model_cfg, params, batch.tokens_rw, batch.positions_rw,
                                                    batch.segment_ids_rw, temperature, with_aux=True,
                                                    hidden_fn=hidden_fn)
   loss, sums = step_lib.rl_loss_from_logprobs(
       algo, logp_rw, entropy_rw, behaviour_logp_bt=batch.behaviour_logp_rw, advantages=batch.advantages_rw,
-      mask_bt=batch.mask_rw, ref_logp_bt=batch.ref_logp_rw, weights=weights)
+      mask_bt=batch.mask_rw, ref_logp_bt=batch.ref_logp_rw, weights=weights, proximal_logp_bt=batch.proximal_logp_rw,
+      version_bt=batch.version_rw, current_version=current_version)
   return step_lib.add_router_aux(model_cfg, loss, sums, aux, weights)
 
 
@@ -158,7 +162,7 @@ def pipelined_loss(model_cfg, algo: AlgoConfig, temperature: float, micro: step_
 
 def packed_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: step_lib.MicroBatching,
                    mesh: Mesh, norm_len: int, pipeline_micro: int, state: TrainState,
-                   batch: PackedTrainBatch):
+                   batch: PackedTrainBatch, bump_version: bool = True):
   loss_w_rw = packed_token_weights(batch.mask_rw, batch.segment_ids_rw, algo.aggregation, norm_len=norm_len)
   weights = (loss_w_rw, algorithms.token_weights(batch.mask_rw, "token-mean"))
   loss_fn = functools.partial(packed_rl_loss, model_cfg, algo, temperature)
@@ -166,7 +170,8 @@ def packed_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: s
   if num_stages(mesh) > 1:
     loss_fn, num_micro = pipelined_loss(model_cfg, algo, temperature, micro, mesh, pipeline_micro,
                                         *batch.tokens_rw.shape)
-  return step_lib.update(loss_fn, tx, num_micro, mesh, state, batch, weights, bump_version=True)
+  loss_fn = functools.partial(loss_fn, current_version=state.policy_version)
+  return step_lib.update(loss_fn, tx, num_micro, mesh, state, batch, weights, bump_version=bump_version)
 
 
 def check_packable(algo: AlgoConfig) -> None:
@@ -177,7 +182,7 @@ def check_packable(algo: AlgoConfig) -> None:
 
 def make_packed_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx,
                         micro: step_lib.MicroBatching | int, mesh: Mesh, norm_len: int, shardings: TrainState,
-                        *, pipeline_micro: int = 0, rules=None):
+                        *, pipeline_micro: int = 0, rules=None, proximal: bool = False):
   """``train_step(state, packed_batch) -> (state, metrics)``: one compile per row bucket, state donated.
 
   Same arguments as ``step.make_rl_step``; the batch's row count must be a multiple of
@@ -186,14 +191,15 @@ def make_packed_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx,
   pipeline stages the layers run as a pipeline of ``pipeline_micro`` pieces per micro-batch
   (``optim.pipeline_micro_batches``; ``pipelined_loss``), and the rows must also be a multiple of
   ``batch_shards * micro.count * pieces``. ``rules``: the training rule table ``shardings`` came from
-  (default TRAIN_RULES; an MoE policy's experts run expert-parallel in that layout).
+  (default TRAIN_RULES; an MoE policy's experts run expert-parallel in that layout). ``proximal``:
+  batches carry ``proximal_logp_rw`` (several updates per batch).
   """
   check_packable(algo)
   micro = step_lib.as_micro_batching(micro)
   fn = functools.partial(packed_rl_step, model_cfg, algo, temperature, tx, micro, mesh, norm_len,
-                         pipeline_micro)
+                         pipeline_micro, bump_version=not proximal)
   fn = with_expert_parallel(fn, model_cfg, mesh, TRAIN_RULES if rules is None else rules)
-  return jax.jit(fn, in_shardings=(shardings, packed_batch_shardings(mesh)),
+  return jax.jit(fn, in_shardings=(shardings, packed_batch_shardings(mesh, proximal)),
                  out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
 
 
@@ -273,3 +279,36 @@ def make_packed_logprob_fn(model_cfg, temperature: float, mesh: Mesh, param_shar
       model_cfg, params, tokens_rw, positions_rw, segment_ids_rw, temperature)[0]
   fn = with_expert_parallel(fn, model_cfg, mesh, TRAIN_RULES if rules is None else rules)
   return jax.jit(fn, in_shardings=(param_shardings, b2, b2, b2), out_shardings=b2)
+
+
+def mini_batch_rows(batch: PackedTrainBatch, row_b, start_b, length_b, sub_row_k, sub_start_k, index_k, *,
+                    num_rows: int) -> PackedTrainBatch:
+  """Samples ``index_k`` of ``batch`` (laid out by ``row_b`` / ``start_b`` / ``length_b``, [B]) repacked into
+  ``num_rows`` rows at ``sub_row_k`` / ``sub_start_k`` (e.g. a mini-batch's ``packing.plan``): every field
+  is carried over token by token, segment ids are renumbered per row. Only the [K] placement crosses from
+  the host; the positions each token comes from are ``packing.source_map``'s, derived here."""
+  width = batch.tokens_rw.shape[1]
+  k = jnp.arange(index_k.shape[0], dtype=jnp.int32)
+  len_k = length_b[index_k]
+  row_k = jnp.where(len_k > 0, sub_row_k, num_rows)            # empty samples take no row
+  owner_rw = jnp.full((num_rows, width), -1, jnp.int32).at[row_k, sub_start_k].set(k, mode="drop")
+  opened_rw = jnp.zeros((num_rows, width), jnp.int32).at[row_k, sub_start_k].set(sub_start_k + 1, mode="drop")
+  start_rw = jax.lax.cummax(opened_rw, axis=1) - 1
+  b_rw = index_k[jnp.maximum(jnp.take_along_axis(owner_rw, jnp.maximum(start_rw, 0), axis=1), 0)]
+  pos_rw = jnp.arange(width, dtype=jnp.int32)[None, :] - start_rw
+  real = (start_rw >= 0) & (pos_rw < length_b[b_rw])
+  src = jnp.where(real, row_b[b_rw] * width + start_b[b_rw] + pos_rw, 0)
+  take = lambda x_rw, fill: jnp.where(real, x_rw.reshape(-1)[src], fill)
+  return PackedTrainBatch(
+      tokens_rw=take(batch.tokens_rw, 0), positions_rw=jnp.where(real, pos_rw, 0),
+      segment_ids_rw=jnp.where(real, jnp.cumsum(real & (pos_rw == 0), axis=1, dtype=jnp.int32), 0),
+      mask_rw=take(batch.mask_rw, 0.0), advantages_rw=take(batch.advantages_rw, 0.0),
+      behaviour_logp_rw=take(batch.behaviour_logp_rw, 0.0), ref_logp_rw=take(batch.ref_logp_rw, 0.0),
+      version_rw=take(batch.version_rw, -1), proximal_logp_rw=take(batch.proximal_logp_rw, 0.0))
+
+
+def make_mini_batch_rows(mesh: Mesh):
+  """``mini_batch_rows`` jitted (``num_rows`` static: one compile per pair of row buckets), its output
+  split over the batch axes."""
+  return jax.jit(mini_batch_rows, static_argnames=("num_rows",),
+                 out_shardings=packed_batch_shardings(mesh, proximal=True))

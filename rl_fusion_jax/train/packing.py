@@ -166,6 +166,19 @@ class Layout:
             "padding_fraction": 1.0 - tokens / max(1, self.num_rows * self.width)}
 
 
+def source_map(full: Layout, sub: Layout, indices_k) -> Int[np.ndarray, "R W"]:
+  """Where each position of ``sub`` (a packing of samples ``indices_k`` of ``full``, in that order) comes
+  from: the flattened index ``row * width + column`` of the same token in ``full``, -1 on padding."""
+  indices_k = np.asarray(indices_k, np.int64)
+  if sub.width != full.width or not np.array_equal(sub.length_b, full.length_b[indices_k]):
+    raise ValueError("source_map: sub must pack samples indices_k of full, at its width")
+  sample, offset, row, col = sub._token_index()
+  b = indices_k[sample]
+  out_rw = np.full((sub.num_rows, sub.width), -1, np.int64)
+  out_rw[row, col] = full.row_b[b] * full.width + full.start_b[b] + offset
+  return out_rw
+
+
 def plan(length_b: Int[np.ndarray, "B"], width: int, buckets) -> Layout:
   """Places every sample (first-fit decreasing) and pads the row count up to the smallest fitting bucket."""
   row_b, start_b, used = first_fit_decreasing(length_b, width)

@@ -119,8 +119,13 @@ def _accumulator_dtype(dtype):
   return jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.floating) else dtype
 
 
+# Metrics whose name starts with this are maxima (of values >= 0), combined over micro-batches by max.
+MAX_PREFIX = "max/"
+
+
 def _accumulate(loss_fn: LossFn, params, batch, weights_bt, num_micro: int, mesh: Mesh):
-  """Sum of gradients and metric sums over micro-batches (weights are global, so sums are exact).
+  """Sum of gradients and metric sums over micro-batches (weights are global, so sums are exact); metrics
+  named ``MAX_PREFIX...`` are maxima instead.
 
   With several micro-batches the sums accumulate in float32 (also for bfloat16 parameters); the summed
   gradients are then cast to the parameters' dtype, so optimizer state keeps its dtype step after step.
@@ -132,7 +137,11 @@ def _accumulate(loss_fn: LossFn, params, batch, weights_bt, num_micro: int, mesh
 
   def body(carry, mb):
     grads, sums = grad_fn(params, *mb)
-    return jax.tree.map(lambda acc, x: acc + x.astype(acc.dtype), carry, (grads, sums)), None
+    acc_grads, acc_sums = carry
+    acc_grads = jax.tree.map(lambda acc, x: acc + x.astype(acc.dtype), acc_grads, grads)
+    acc_sums = {k: jnp.maximum(acc_sums[k], v) if k.startswith(MAX_PREFIX) else acc_sums[k] + v.astype(acc_sums[k].dtype)
+                for k, v in sums.items()}
+    return (acc_grads, acc_sums), None
 
   zero = jax.eval_shape(grad_fn, params, *jax.tree.map(lambda x: x[0], micro))
   zero = jax.tree.map(lambda s: jnp.zeros(s.shape, _accumulator_dtype(s.dtype)), zero)
@@ -188,14 +197,16 @@ def update(loss_fn: LossFn, tx: optax.GradientTransformation, num_micro: int, me
 # ----------------------------------------------------------------------------------------------------
 
 def rl_loss(model_cfg: models.ModelConfig, algo: AlgoConfig, temperature: float,
-            params, batch: TrainBatch, weights):
+            params, batch: TrainBatch, weights, current_version=None):
   """Policy loss + optional KL and entropy terms, aggregated with the precomputed token weights; for an
   MoE policy plus the router's auxiliary losses (`router_aux_loss`; padded rows route their padding too)."""
   logp_bt, entropy_bt, aux = token_logprobs(model_cfg, params, batch.tokens_bt, temperature,
                                             with_entropy=True, with_aux=True)
   loss, sums = rl_loss_from_logprobs(algo, logp_bt, entropy_bt, behaviour_logp_bt=batch.behaviour_logp_bt,
                                      advantages=batch.advantages_bt, mask_bt=batch.mask_bt,
-                                     ref_logp_bt=batch.ref_logp_bt, weights=weights)
+                                     ref_logp_bt=batch.ref_logp_bt, weights=weights,
+                                     proximal_logp_bt=batch.proximal_logp_bt, version_bt=batch.version_bt,
+                                     current_version=current_version)
   return add_router_aux(model_cfg, loss, sums, aux, weights)
 
 
@@ -224,22 +235,51 @@ def add_router_aux(model_cfg: models.ModelConfig, loss, sums, aux, weights):
 
 
 def rl_loss_from_logprobs(algo: AlgoConfig, logp_bt, entropy_bt, *, behaviour_logp_bt, advantages, mask_bt,
-                          ref_logp_bt, weights):
+                          ref_logp_bt, weights, proximal_logp_bt=None, version_bt=None, current_version=None):
   """The RL loss after the forward pass, for any row layout (``rl_loss`` and the packed step use it).
 
   ``advantages`` is [B] (one per row) or [B, T] (one per token: packed rows hold several samples).
   Off-policy metrics (token means): importance-weight mean and second moment (std = sqrt(E[w^2] -
   E[w]^2)), the truncated fraction, and tokens whose log-ratio hit the clamp.
+
+  ``proximal_logp_bt`` (several updates per batch): the log-probs before the batch's first update. The
+  off-policy losses take it as their proximal policy (the clip's anchor; their behaviour weights stay
+  against ``behaviour_logp_bt``); ``ppo_clip``, which has no behaviour weights, clips around it instead of
+  the behaviour log-probs. Adds ``kl_proximal``: the k3 estimate of KL(pi_theta || pi_prox) per token.
+  None: the proximal policy is the current parameters (one update per batch).
+
+  Sampler/trainer agreement (with ``version_bt`` and ``current_version``, the policy version of the
+  parameters before this batch's first update): on the response tokens sampled by exactly those
+  parameters (version == current_version), the trainer's log-probs under them (``proximal_logp_bt``, or
+  ``logp_bt`` before a single update) against the recorded behaviour log-probs: ``max/mismatch/logp_abs``
+  (the largest |difference|), and token means over all response tokens of the |difference|, the k3
+  estimate of KL(behaviour || trainer) and the current tokens' share (``mismatch/...``; ``train_phase``
+  divides by the share).
   """
   loss_w_bt, metric_w_bt = weights
   policy_loss = registry.get_policy_loss(algo.policy_loss)
-  loss_bt, stats = policy_loss(logp_bt, behaviour_logp_bt, advantages,
-                               clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
-                               is_cap=algo.is_cap, mask_bt=mask_bt)
+  kw = dict(clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip, is_cap=algo.is_cap,
+            mask_bt=mask_bt)
+  old_logp_bt = behaviour_logp_bt
+  if proximal_logp_bt is not None and algo.policy_loss == "ppo_clip":
+    old_logp_bt = proximal_logp_bt
+  elif proximal_logp_bt is not None:
+    kw["proximal_logp_bt"] = proximal_logp_bt
+  loss_bt, stats = policy_loss(logp_bt, old_logp_bt, advantages, **kw)
   metrics_bt = {"entropy": entropy_bt, "clip_frac": stats["clipped"], "ratio": stats["ratio"],
                 "is_weight": stats["is_weight"], "is_weight_sq": stats["is_weight"] ** 2,
                 "is_truncated_frac": stats["is_truncated"],
                 "log_ratio_clamped_frac": stats["log_ratio_clamped"]}
+  if proximal_logp_bt is not None:
+    metrics_bt["kl_proximal"] = registry.get_kl_estimator("k3")(logp_bt, proximal_logp_bt)
+  mismatch_max = None
+  if version_bt is not None and current_version is not None:
+    trainer_bt = logp_bt if proximal_logp_bt is None else proximal_logp_bt
+    current_bt = ((version_bt == current_version) & (mask_bt > 0)).astype(jnp.float32)
+    diff_bt = jnp.abs(trainer_bt - behaviour_logp_bt) * current_bt
+    metrics_bt |= {"mismatch/current_frac": current_bt, "mismatch/logp_abs_weighted": diff_bt,
+                   "mismatch/kl_weighted": registry.get_kl_estimator("k3")(behaviour_logp_bt, trainer_bt) * current_bt}
+    mismatch_max = jnp.max(jax.lax.stop_gradient(diff_bt))
   if algo.needs_reference:
     metrics_bt["kl"] = registry.get_kl_estimator(algo.kl_estimator)(logp_bt, ref_logp_bt)
     if algo.kl_mode == "loss":
@@ -250,6 +290,8 @@ def rl_loss_from_logprobs(algo: AlgoConfig, logp_bt, entropy_bt, *, behaviour_lo
   sums = {"loss": loss}
   for name, value_bt in metrics_bt.items():
     sums[name] = jnp.sum(jax.lax.stop_gradient(value_bt) * metric_w_bt)
+  if mismatch_max is not None:
+    sums[MAX_PREFIX + "mismatch/logp_abs"] = mismatch_max
   return loss, sums
 
 
@@ -268,12 +310,18 @@ def _metric_weights(mask_bt):
 
 
 def rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: MicroBatching, mesh: Mesh,
-            norm_len: int, state: TrainState, batch: TrainBatch):
+            norm_len: int, state: TrainState, batch: TrainBatch, bump_version: bool = True):
   loss_w_bt = registry.get_token_weights_fn(algo.aggregation)(batch.mask_bt, norm_len=norm_len)
   weights = (loss_w_bt, _metric_weights(batch.mask_bt))
-  loss_fn = functools.partial(rl_loss, model_cfg, algo, temperature)
+  loss_fn = functools.partial(rl_loss, model_cfg, algo, temperature, current_version=state.policy_version)
   num_micro = micro.num_micro(*batch.tokens_bt.shape, batch_shards(mesh))
-  return update(loss_fn, tx, num_micro, mesh, state, batch, weights, bump_version=True)
+  return update(loss_fn, tx, num_micro, mesh, state, batch, weights, bump_version=bump_version)
+
+
+def bump_policy_version(state: TrainState) -> TrainState:
+  """The policy version + 1: after the last of a batch's several updates (which leave it as it is), so a
+  version still counts rollout batches."""
+  return state.replace(policy_version=state.policy_version + 1)
 
 
 def sft_step(model_cfg, tx, num_micro: int, mesh: Mesh, state: TrainState, tokens_bt, mask_bt):
@@ -282,23 +330,27 @@ def sft_step(model_cfg, tx, num_micro: int, mesh: Mesh, state: TrainState, token
   return update(loss_fn, tx, num_micro, mesh, state, (tokens_bt, mask_bt), weights, bump_version=False)
 
 
-def batch_shardings(mesh: Mesh) -> TrainBatch:
+def batch_shardings(mesh: Mesh, proximal: bool = False) -> TrainBatch:
+  """A TrainBatch's shardings; ``proximal``: with its ``proximal_logp_bt``."""
   b2 = batch_sharding(mesh, 2)
   return TrainBatch(tokens_bt=b2, mask_bt=b2, advantages_bt=b2, behaviour_logp_bt=b2, ref_logp_bt=b2,
-                    version_bt=b2)
+                    version_bt=b2, proximal_logp_bt=b2 if proximal else None)
 
 
 def make_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: MicroBatching | int, mesh: Mesh,
-                 norm_len: int, shardings: TrainState, rules: Rules = TRAIN_RULES):
+                 norm_len: int, shardings: TrainState, rules: Rules = TRAIN_RULES, *, proximal: bool = False):
   """``train_step(state, batch) -> (state, metrics)``, compiled once per batch shape, state donated.
 
   ``micro``: a ``MicroBatching`` (the count follows the batch's shape) or a fixed micro-batch count.
   ``norm_len`` (the Dr. GRPO constant) does not depend on the batch width. ``rules``: the training rule
   table ``shardings`` came from (an MoE policy's experts run expert-parallel in that layout).
+  ``proximal``: batches carry ``proximal_logp_bt`` (several updates per batch); such an update leaves the
+  policy version as it is (``bump_policy_version`` after the batch's last one).
   """
-  fn = functools.partial(rl_step, model_cfg, algo, temperature, tx, as_micro_batching(micro), mesh, norm_len)
+  fn = functools.partial(rl_step, model_cfg, algo, temperature, tx, as_micro_batching(micro), mesh, norm_len,
+                         bump_version=not proximal)
   fn = with_expert_parallel(fn, model_cfg, mesh, rules)
-  return jax.jit(fn, in_shardings=(shardings, batch_shardings(mesh)),
+  return jax.jit(fn, in_shardings=(shardings, batch_shardings(mesh, proximal)),
                  out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
 
 
