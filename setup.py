@@ -7,7 +7,7 @@ setuptools.setup(
     version="0.1.0",
     description="JAX-native RL post-training of LLMs (GRPO, PPO) with co-located training and generation.",
     packages=setuptools.find_packages(include=["rl_fusion_jax", "rl_fusion_jax.*"]),
-    package_data={"rl_fusion_jax": ["testing/*.jsonl", "testing/hf_fixtures/*/*"]},
+    package_data={"rl_fusion_jax": ["testing/*.jsonl", "testing/*.json", "testing/hf_fixtures/*/*"]},
     python_requires=">=3.11",
     install_requires=[
         "jax>=0.10.2",
@@ -24,7 +24,11 @@ setuptools.setup(
         "jaxtyping>=0.2.36",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.8"],
+        # gguf: the default suite writes and imports a tiny GGUF (tests/gguf_io_test.py).
+        "test": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.8", "gguf>=0.19"],
+        # Reading GGUF checkpoints (rl_fusion_jax/models/gguf_io.py, experiments/fetch_model_main.py); imported
+        # lazily, only where a GGUF file is read.
+        "gguf": ["gguf>=0.19"],
         # Reference fixtures only (experiments/make_hf_fixtures.py); never imported by the package.
         "fixtures": ["torch>=2.3", "transformers>=4.45"],
         "tensorboard": ["tensorboardX>=2.6"],
@@ -32,5 +36,8 @@ setuptools.setup(
         # The TRL side of experiments/benchmark_vs_trl.py (experiments/trl_tiny_grpo.py), in its own
         # environment; the versions it was measured with are in BENCHMARKS.md.
         "trl_bench": ["torch>=2.13", "transformers>=5.24", "trl>=1.16", "datasets>=5.2", "accelerate>=1.15"],
+        # The transformers side of experiments/gguf_parity_main.py (experiments/gguf_reference.py), in its own
+        # environment: transformers reads GGUF files with gguf and accelerate.
+        "gguf_ref": ["torch>=2.13", "transformers>=5.24", "gguf>=0.19", "accelerate>=1.15"],
     },
 )

@@ -13,7 +13,7 @@ trains --warm_steps + --steps updates of 16 prompts x 8 samples; same engine: 12
     rollout and training overlap;
   * ``colocated_sync``: experiments/grpo_main.py, RL Fusion: both phases on all devices, the phase
     switch between them, the synchronous loop;
-  * ``colocated_stalesync``: RL Fusion + StaleSync, s = 1, rollout_fraction 0.5 (32 groups outstanding,
+  * ``colocated_stalesync``: RL Fusion + StaleSync, s = 1, train_fraction 0.5 (32 groups outstanding,
     long tails continue in the next phase).
 Workloads: ``longtail`` (experiments/configs/stalesync_longtail.py: the main job's model shape, random
 init, response lengths forced to a clipped log-normal, median 8, up to 64 tokens, the same lengths for
@@ -65,7 +65,7 @@ SEPARATED = ("--config.fusion.mode=separated", "--config.mesh.cpu_devices=1", "-
 
 def _stalesync(s: int, f: float) -> tuple[str, ...]:
   return ("--config.stalesync.enabled=True", f"--config.stalesync.max_staleness={s}",
-          f"--config.stalesync.rollout_fraction={f}")
+          f"--config.stalesync.train_fraction={f}")
 
 
 VARIANTS = {   # name -> (binary, flags)

@@ -63,7 +63,7 @@ _CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/rl_fusion_jax/jax_ca
 
 
 def _stalesync(s: int, f: float) -> tuple[str, ...]:
-  return ("stalesync.enabled=True", f"stalesync.max_staleness={s}", f"stalesync.rollout_fraction={f}")
+  return ("stalesync.enabled=True", f"stalesync.max_staleness={s}", f"stalesync.train_fraction={f}")
 
 
 VARIANTS = {

@@ -33,10 +33,13 @@ def unknown_override(argv) -> str | None:
     config = runpy.run_path(source[0])["get_config"](source[1])
   except Exception:   # the config file itself is broken: absl's own error is the useful one
     return None
+  from rl_fusion_jax.config import RENAMED_FIELDS  # pylint: disable=g-import-not-at-top
   for arg in argv[1:]:
     if not arg.startswith("--config."):
       continue
     path = arg[len("--"):].partition("=")[0]
+    if path.removeprefix("config.") in RENAMED_FIELDS:
+      return f"--{path} was renamed: use --config.{RENAMED_FIELDS[path.removeprefix('config.')]}"
     node, walked = config, "config"
     for key in path.split(".")[1:]:
       keys = list(node.keys()) if hasattr(node, "keys") else []

@@ -367,7 +367,7 @@ def main(argv):
       f"The main job's task from one shared warm-up ({s['warmup_steps']} supervised steps, exported and "
       f"loaded with `model.hf_path`), then {s['steps']} RL steps x 128 samples in every arm (equal sample "
       f"budget), held-out greedy accuracy on {s['eval_problems']} problems every {s['eval_every']} steps, "
-      f"seeds {s['seeds']}. StaleSync arms: s in {s['staleness']}, rollout_fraction 1 / (s + 1); corrected = "
+      f"seeds {s['seeds']}. StaleSync arms: s in {s['staleness']}, train_fraction 1 / (s + 1); corrected = "
       "`decoupled_ppo`, uncorrected = `uncorrected` (the behaviour policy never enters the loss). Table: "
       "final accuracy, mean +- standard deviation across seeds.",
       "",

@@ -5,7 +5,7 @@ r"""StaleSync in separated mode with one process per side (rollout, training), o
       --config.mesh.cpu_devices=1 --schedule=reproducible --weight_transport=kv
 
 Launches itself twice (process 0: rollout, process 1: training; ``--config.mesh.cpu_devices`` CPU devices
-each, ``fusion.rollout_fraction=0.5``), joined by jax.distributed on 127.0.0.1, and prints the summary:
+each, ``fusion.rollout_device_fraction=0.5``), joined by jax.distributed on 127.0.0.1, and prints the summary:
 accuracy, and the overlap measured on the merged timeline (DIR/timeline.jsonl). Writes DIR/metrics.jsonl
 (training side), DIR/summary.json and DIR/config.json. No checkpoints: resume is not supported here.
 

@@ -13,7 +13,7 @@ reused, so an interrupted grid continues where it stopped.
 Arms (every arm trains ``--steps`` x 16 prompts x 8 samples; only the schedule and the loss differ):
   * ``sync``: the synchronous loop, ``ppo_clip`` (on-policy: the behaviour and the proximal policy are
     the same parameters);
-  * ``s{S}_corrected``: StaleSync with max_staleness S and rollout_fraction 1 / (S + 1), so
+  * ``s{S}_corrected``: StaleSync with max_staleness S and train_fraction 1 / (S + 1), so
     16 x (S + 1) groups are outstanding and, on this short-answer task, the trained groups reach the
     bound (staleness S in the steady state); one engine slot per outstanding sample; ``decoupled_ppo``
     (clip around the proximal policy, truncated behaviour weight, is_cap 5);
@@ -81,7 +81,7 @@ def arms(staleness: list[int]) -> dict[str, tuple[str, ...]]:
   out = {"sync": ()}
   for s in staleness:
     f = 1.0 / (s + 1)
-    schedule = ("stalesync.enabled=True", f"stalesync.max_staleness={s}", f"stalesync.rollout_fraction={f!r}",
+    schedule = ("stalesync.enabled=True", f"stalesync.max_staleness={s}", f"stalesync.train_fraction={f!r}",
                 f"rollout.num_slots={BATCH * (s + 1)}")
     out[f"s{s}_corrected"] = schedule + ("algo.policy_loss=decoupled_ppo",)
     out[f"s{s}_uncorrected"] = schedule + ("algo.policy_loss=uncorrected",)

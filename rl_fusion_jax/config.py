@@ -2,16 +2,23 @@
 
 Library code only ever sees these dataclasses (validated in ``__post_init__``); the experiment binaries
 convert the user's ``ConfigDict`` once with :func:`experiment_from_dict`, which rejects unknown keys by their
-full path (``config.rollout.temprature``) before anything is compiled or written.
+full path (``config.rollout.temprature``) before anything is compiled or written. The shipped config files
+start from :func:`default_config_dict` (every field at its dataclass default) and set only what they change,
+so every field can be overridden from the command line and no default is restated by hand.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
+import types
 import typing
 from collections.abc import Mapping
 from typing import Any
+
+import ml_collections
+from ml_collections import config_dict
 
 from rl_fusion_jax import model_config
 from rl_fusion_jax.errors import ConfigError
@@ -99,7 +106,7 @@ class FusionConfig:
   actor colocated on all but ``aux_devices`` devices; the reference and reward models on those).
   """
   mode: str = "colocated"
-  rollout_fraction: float = 0.5     # separated: share of the devices given to generation
+  rollout_device_fraction: float = 0.5    # separated: share of the devices given to generation
   aux_devices: int = 1              # hybrid: devices of the reference / reward-model group
   bucket_bytes: int = 64 << 20      # reshard / offload bucket size
   offload_optimizer: bool = True    # optimizer state to pinned_host while generating
@@ -117,8 +124,8 @@ class FusionConfig:
              f"must be 'colocated', 'separated', 'full' or 'hybrid', got {self.mode!r}")
     _require(isinstance(self.aux_devices, int) and self.aux_devices >= 1, "fusion.aux_devices",
              f"must be an int >= 1, got {self.aux_devices!r}")
-    _require(0 < self.rollout_fraction < 1, "fusion.rollout_fraction",
-             f"must be in (0, 1), got {self.rollout_fraction}")
+    _require(0 < self.rollout_device_fraction < 1, "fusion.rollout_device_fraction",
+             f"must be in (0, 1), got {self.rollout_device_fraction}")
     _require(isinstance(self.bucket_bytes, int) and self.bucket_bytes > 0, "fusion.bucket_bytes",
              f"must be a positive int, got {self.bucket_bytes!r}")
     _require(isinstance(self.memory_every, int) and not isinstance(self.memory_every, bool)
@@ -131,10 +138,11 @@ class FusionConfig:
 
   def split(self, num_devices: int) -> tuple[int, int]:
     """(rollout devices, training devices) in separated mode; raises if a side would be empty."""
-    rollout = int(round(num_devices * self.rollout_fraction))
+    rollout = int(round(num_devices * self.rollout_device_fraction))
     if not 0 < rollout < num_devices:
-      raise ConfigError(f"config.fusion.rollout_fraction={self.rollout_fraction} leaves a side empty "
-                       f"with {num_devices} devices ({rollout} rollout, {num_devices - rollout} train)")
+      raise ConfigError(f"config.fusion.rollout_device_fraction={self.rollout_device_fraction} leaves a "
+                        f"side empty with {num_devices} devices ({rollout} rollout, {num_devices - rollout} "
+                        "train)")
     return rollout, num_devices - rollout
 
   def aux_split(self, num_devices: int) -> int:
@@ -293,9 +301,21 @@ class AlgoConfig:
   # behaviour weights against the sampling log-probs. 1 and 1: one update per batch, as without them.
   ppo_epochs: int = 1
   mini_batches: int = 1
+  # A fork's algorithm in one file: plugins (comma-separated modules or .py paths) are imported before the
+  # names above are checked, so what they register can be named; loss_kwargs / advantage_kwargs
+  # ("name=value,...") set the registered loss's / estimator's hyperparameters, validated by its
+  # dataclass (algorithms/registry.py). A hyperparameter named like a field above takes that field's value
+  # unless set here.
+  plugins: str = ""
+  loss_kwargs: str = ""
+  advantage_kwargs: str = ""
 
   def __post_init__(self):
     from rl_fusion_jax.algorithms import registry  # deferred: registry imports jax
+    try:
+      registry.load_plugins(self.plugins)
+    except ValueError as e:
+      raise ConfigError(f"config.{e}") from e
     known_advantages = {**registry.ADVANTAGE_ESTIMATORS, **registry.TOKEN_ADVANTAGE_ESTIMATORS}
     for field, known in (("advantage", known_advantages),
                          ("policy_loss", registry.POLICY_LOSSES),
@@ -327,6 +347,26 @@ class AlgoConfig:
       value = getattr(self, name)
       _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"algo.{name}",
                f"must be an int >= 1, got {value!r}")
+    try:
+      self.loss_hparams, self.advantage_hparams  # pylint: disable=pointless-statement
+    except ValueError as e:
+      raise ConfigError(f"config.{e}") from e
+
+  @property
+  def loss_hparams(self) -> dict:
+    """The policy loss's hyperparameters (its registered dataclass's fields) as keyword arguments."""
+    from rl_fusion_jax.algorithms import registry
+    return registry.hparams_dict(registry.hyperparameters(
+        registry.POLICY_LOSS_PARAMS, "policy loss", self.policy_loss, dataclasses.asdict(self),
+        self.loss_kwargs, "algo.loss_kwargs"))
+
+  @property
+  def advantage_hparams(self) -> dict:
+    """The advantage estimator's hyperparameters as keyword arguments."""
+    from rl_fusion_jax.algorithms import registry
+    return registry.hparams_dict(registry.hyperparameters(
+        registry.ADVANTAGE_PARAMS, "advantage estimator", self.advantage, dataclasses.asdict(self),
+        self.advantage_kwargs, "algo.advantage_kwargs"))
 
   @property
   def updates_per_batch(self) -> int:
@@ -378,27 +418,27 @@ class StaleSyncConfig:
   """Bounded-staleness rollout (StaleSync). ``enabled=False`` runs the synchronous loop.
 
   max_staleness (s): a group is trained on only while ``learner_version - min(token versions) <= s``.
-  rollout_fraction (f): the engine keeps ``ceil(num_prompts / f)`` groups outstanding, and a rollout phase
+  train_fraction (f): the engine keeps ``ceil(num_prompts / f)`` groups outstanding, and a rollout phase
   ends once ``num_prompts`` of them (a fraction f) finished and every group that would otherwise exceed
   s has finished; the rest stay in flight into the next phase. s = 0 needs f = 1, and then the schedule
   is the synchronous algorithm (tested equal to the synchronous loop).
   """
   enabled: bool = False
   max_staleness: int = 0
-  rollout_fraction: float = 1.0
+  train_fraction: float = 1.0
 
   def __post_init__(self):
     _require(isinstance(self.max_staleness, int) and self.max_staleness >= 0, "stalesync.max_staleness",
              f"must be an int >= 0, got {self.max_staleness!r}")
-    _require(0 < self.rollout_fraction <= 1, "stalesync.rollout_fraction",
-             f"must be in (0, 1], got {self.rollout_fraction}")
-    _require(self.max_staleness > 0 or self.rollout_fraction == 1, "stalesync.rollout_fraction",
+    _require(0 < self.train_fraction <= 1, "stalesync.train_fraction",
+             f"must be in (0, 1], got {self.train_fraction}")
+    _require(self.max_staleness > 0 or self.train_fraction == 1, "stalesync.train_fraction",
              f"must be 1 when max_staleness is 0 (groups left over would be stale), "
-             f"got {self.rollout_fraction}")
+             f"got {self.train_fraction}")
 
   def pool_groups(self, num_prompts: int) -> int:
     """Groups the engine keeps outstanding (queued, in flight, or finished and not yet trained)."""
-    return math.ceil(num_prompts / self.rollout_fraction - 1e-9)
+    return math.ceil(num_prompts / self.train_fraction - 1e-9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -566,8 +606,9 @@ class ExperimentConfig:
       try:
         rollout_sizes = rollout_mesh.resolve(rollout)
       except ValueError as e:
-        raise ConfigError(f"config.fusion.rollout_fraction: the rollout sub-mesh of {rollout} devices: {e}")
-      _require(self.rollout.batch_size % rollout_sizes["data"] == 0, "fusion.rollout_fraction",
+        raise ConfigError(f"config.fusion.rollout_device_fraction: the rollout sub-mesh of {rollout} "
+                          f"devices: {e}")
+      _require(self.rollout.batch_size % rollout_sizes["data"] == 0, "fusion.rollout_device_fraction",
                f"the rollout batch of {self.rollout.batch_size} must divide over the rollout sub-mesh's "
                f"{rollout_sizes['data']} data replicas")
       rollout_shards = rollout_sizes["data"]
@@ -602,10 +643,27 @@ class ExperimentConfig:
 # ConfigDict -> dataclasses, rejecting unknown keys by path.
 # ----------------------------------------------------------------------------------------------------
 
+# Old name -> new name of renamed fields (one name used to mean two things): the old one is refused,
+# naming the new one, at conversion and (experiments/common.py) when a command-line override uses it.
+RENAMED_FIELDS = {
+    "fusion.rollout_fraction": "fusion.rollout_device_fraction",
+    "stalesync.rollout_fraction": "stalesync.train_fraction",
+}
+
+
+@functools.cache
+def _hints(cls) -> dict[str, Any]:
+  """``typing.get_type_hints`` of a config dataclass, cached: each conversion and config file reads them."""
+  return typing.get_type_hints(cls)
+
+
 def _from_mapping(cls, values: Mapping[str, Any], path: str):
-  hints = typing.get_type_hints(cls)
+  hints = _hints(cls)
   fields = {f.name: f for f in dataclasses.fields(cls)}
   unknown = sorted(set(values) - set(fields))
+  for name in unknown:
+    if new := RENAMED_FIELDS.get(f"{path}.{name}".removeprefix("config.")):
+      raise ConfigError(f"{path}.{name} was renamed: use config.{new}")
   if unknown:
     named = ", ".join(f"{path}.{k}{closest(k, fields)}" for k in unknown)
     raise ConfigError(f"unknown config field(s) {named}; known in {path}: {sorted(fields)}")
@@ -671,10 +729,14 @@ def _check_architecture_given(model: Mapping[str, Any]) -> None:
 
 
 def experiment_from_dict(config: Mapping[str, Any]) -> ExperimentConfig:
-  """Builds the typed experiment config; every error names the offending ``config.<path>``."""
+  """Builds the typed experiment config; every error names the offending ``config.<path>``.
+
+  A model field that is None is not given (``default_config_dict`` holds every one as a None
+  placeholder): it takes the ModelConfig default, or with ``model.hf_path`` the checkpoint's value.
+  """
   values = to_plain(config)
-  model = dict(values.pop("model", {}))
-  source = {k: model.pop(k) for k in ("hf_path", "init_std") if k in model}
+  model = {k: v for k, v in values.pop("model", {}).items() if v is not None}
+  source = {k: model.pop(k) for k in _SOURCE_FIELDS if k in model}
   if "rope_scaling" in model and isinstance(model["rope_scaling"], Mapping):
     model["rope_scaling"] = tuple(sorted(model["rope_scaling"].items()))
   if source.get("hf_path"):
@@ -684,7 +746,7 @@ def experiment_from_dict(config: Mapping[str, Any]) -> ExperimentConfig:
     model_cfg = _from_mapping(ModelConfig, model, "config.model")
   kwargs = {"model": ModelSource(config=model_cfg, **source)}
   for name, sub in values.items():
-    field_types = typing.get_type_hints(ExperimentConfig)
+    field_types = _hints(ExperimentConfig)
     if name not in field_types:
       raise ConfigError(f"unknown config field config.{name}{closest(name, field_types)}; "
                         f"known: {sorted(field_types)}")
@@ -693,6 +755,10 @@ def experiment_from_dict(config: Mapping[str, Any]) -> ExperimentConfig:
       sub["kwargs"] = dict(sub.get("kwargs", {}))
     kwargs[name] = _from_mapping(field_types[name], sub, f"config.{name}")
   return ExperimentConfig(**kwargs)
+
+
+# ModelSource's own fields, given in config.model beside the ModelConfig fields.
+_SOURCE_FIELDS = ("hf_path", "init_std")
 
 
 def as_dict(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -706,3 +772,65 @@ def as_dict(cfg: ExperimentConfig) -> dict[str, Any]:
       return [plain(x) for x in v]
     return v
   return plain(cfg)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Dataclass defaults -> ConfigDict: what every shipped config starts from.
+# ----------------------------------------------------------------------------------------------------
+
+# ModelConfig.rope_scaling is given as a dict ({"rope_type": "llama3", ...}) or as (key, value) pairs:
+# an override of it parses as any Python literal.
+_LITERAL_FIELDS = ("rope_scaling",)
+
+
+def _override_type(name: str, hint) -> type:
+  """The type config_flags parses a command-line override of a field with: its hint without None, the
+  container itself for a generic (``Mapping[str, Any]`` -> Mapping)."""
+  if name in _LITERAL_FIELDS:
+    return object
+  if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+    hint = next(a for a in typing.get_args(hint) if a is not type(None))
+  return typing.get_origin(hint) or hint
+
+
+def _section(cls, names, *, all_placeholders: bool = False) -> ml_collections.ConfigDict:
+  """The fields ``names`` of dataclass ``cls`` at their defaults. A None (or required) field becomes a
+  typed placeholder, so that ``--config.algo.dual_clip=3`` parses as a float; a float field always holds
+  a float (an int would make config_flags parse its overrides as ints)."""
+  hints = _hints(cls)
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  out = {}
+  for name in names:
+    f, kind = fields[name], _override_type(name, hints[name])
+    default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+    if all_placeholders or default is None or default is dataclasses.MISSING:
+      out[name] = config_dict.placeholder(kind)
+    elif kind is Mapping:
+      out[name] = ml_collections.ConfigDict(dict(default))
+    else:
+      out[name] = float(default) if kind is float else default
+  return ml_collections.ConfigDict(out)
+
+
+def default_config_dict() -> ml_collections.ConfigDict:
+  """Every field of ``ExperimentConfig`` at its dataclass default, nested as :func:`experiment_from_dict`
+  reads it; locked, so a mistyped field fails where it is set. A config file starts from it and sets only
+  what it changes.
+
+  ``model`` holds ModelSource's ``hf_path`` and ``init_std``, and every ModelConfig field as a typed None
+  placeholder, i.e. not given: random init takes the ModelConfig default (the architecture fields without
+  one must then be set), and ``model.hf_path`` takes the checkpoint's value, which a given field must
+  match (runtime fields excepted). ``experiment_from_dict`` of this dict plus the architecture is the
+  default ``ExperimentConfig`` of that model.
+  """
+  hints = _hints(ExperimentConfig)
+  c = ml_collections.ConfigDict()
+  for f in dataclasses.fields(ExperimentConfig):
+    if f.name == "model":
+      names = [m.name for m in dataclasses.fields(ModelConfig)]
+      c.model = _section(ModelConfig, names, all_placeholders=True)
+      c.model.update(_section(ModelSource, _SOURCE_FIELDS))
+    else:
+      c[f.name] = _section(hints[f.name], [m.name for m in dataclasses.fields(hints[f.name])])
+  c.lock()
+  return c

@@ -37,7 +37,7 @@ def test_every_config_and_variant_loads(path):
   assert CONFIGS, "no configs found"
   for arg in [""] + variants(path):
     c = load(path, arg)
-    if not c.model.get("hf_path", "-") and "vocab_size" not in c.model:
+    if not c.model.hf_path and c.model.vocab_size is None:
       # The checkpoint comes from the command line (gsm8k_chat.py): without it, one error saying so.
       with pytest.raises(ValueError, match="pass --config.model.hf_path=DIR"):
         config_lib.experiment_from_dict(c)
@@ -159,7 +159,7 @@ def test_as_dict_round_trips():
 def test_dynamic_sampling_combinations_are_refused():
   c = base()
   c.algo.dynamic_sampling = True
-  c.stalesync.enabled, c.stalesync.max_staleness, c.stalesync.rollout_fraction = True, 1, 0.5
+  c.stalesync.enabled, c.stalesync.max_staleness, c.stalesync.train_fraction = True, 1, 0.5
   with pytest.raises(ValueError, match="config.algo.dynamic_sampling: runs in the synchronous loop"):
     config_lib.experiment_from_dict(c)
   c = base()

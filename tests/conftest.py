@@ -21,3 +21,47 @@ jax.config.update(
     os.environ.get("RLFJ_TEST_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rl_fusion_jax_tests")))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Per-test wall and compile seconds, and the 15 slowest tests at the end of the run.
+# ----------------------------------------------------------------------------------------------------
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+from jax import monitoring  # noqa: E402
+
+# The duration events JAX records while tracing, lowering and compiling a program in this process
+# (compiles inside subprocesses a test starts are not seen here).
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+_compile_s = [0.0]
+_timings: list[tuple[float, float, str]] = []   # (wall s, compile s, test id)
+
+
+def _on_duration(event: str, duration: float, **kwargs) -> None:
+  del kwargs
+  if event in _COMPILE_EVENTS:
+    _compile_s[0] += duration
+
+
+monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  del nextitem
+  start, compile_start = time.perf_counter(), _compile_s[0]
+  yield
+  _timings.append((time.perf_counter() - start, _compile_s[0] - compile_start, item.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter):
+  if not _timings:
+    return
+  wall, compile_s = sum(t[0] for t in _timings), sum(t[1] for t in _timings)
+  terminalreporter.section("slowest tests (wall s, of which tracing + compiling in this process)")
+  for w, c, name in sorted(_timings, reverse=True)[:15]:
+    terminalreporter.write_line(f"{w:8.1f} s  {c:7.1f} s compile  {name}")
+  terminalreporter.write_line(f"{len(_timings)} tests: {wall:.0f} s, {compile_s:.0f} s of it compiling in this "
+                              "process")

@@ -112,7 +112,7 @@ class _Device:
 
 def test_sub_meshes_take_a_share_of_every_process():
   devices = [_Device(i, i // 4) for i in range(8)]            # 2 processes x 4 devices
-  first, rest = split_devices(devices, 4, "config.fusion.rollout_fraction")
+  first, rest = split_devices(devices, 4, "config.fusion.rollout_device_fraction")
   assert [d.id for d in first] == [0, 1, 4, 5] and [d.id for d in rest] == [2, 3, 6, 7]
   first, rest = split_devices(devices, 4, "f", per_process=False)   # one process per side
   assert [d.id for d in first] == [0, 1, 2, 3]

@@ -156,7 +156,7 @@ def test_no_traces_after_the_first_steps(runs):
     ({"fusion.mode": "fused"}, "fusion.mode"),
     ({"fusion.bucket_bytes": 0}, "fusion.bucket_bytes"),
     ({"fusion.memory_every": -1}, "fusion.memory_every"),
-    ({"fusion.rollout_fraction": 0.01}, "rollout_fraction"),
+    ({"fusion.rollout_device_fraction": 0.01}, "rollout_device_fraction"),
     ({"fusion.generate_rules": [["embed", "model"]]}, "mesh axis 'model'"),
 ])
 def test_bad_fusion_config(tmp_path, over, match):

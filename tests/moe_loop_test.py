@@ -67,7 +67,7 @@ def test_no_traces_after_the_first_steps(runs):
 
 
 def test_stalesync_trains_an_moe_policy(tmp_path):
-  over = {"stalesync.enabled": True, "stalesync.max_staleness": 1, "stalesync.rollout_fraction": 0.5,
+  over = {"stalesync.enabled": True, "stalesync.max_staleness": 1, "stalesync.train_fraction": 0.5,
           "rollout.num_slots": 16, "algo.policy_loss": "decoupled_ppo"}
   loop.run(moe_cfg("colocated", **over), str(tmp_path))
   rows = [r for r in metrics_lib.read_metrics(str(tmp_path)) if "loss" in r]

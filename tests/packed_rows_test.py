@@ -9,7 +9,8 @@ import pytest
 from rl_fusion_jax import models
 from rl_fusion_jax.algorithms import batch as algo_batch
 from rl_fusion_jax.config import MeshConfig
-from rl_fusion_jax.sharding.mesh import make_mesh
+from rl_fusion_jax.queue import global_batch
+from rl_fusion_jax.sharding.mesh import batch_sharding, make_mesh
 from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
 from rl_fusion_jax.testing.tiny import tiny_model_config
 from rl_fusion_jax.train import packed_step, packing
@@ -53,8 +54,39 @@ def test_device_layout_is_the_host_packers():
     # [B, train_width] rows.
     r, b = layout.num_rows, len(prompt_b)
     padded_width = step_lib.train_width(int((prompt_b + response_b).max()), SEQ_LEN)
+    # On 2 devices of one data-parallel group each (data=-1 over 2 devices): each device is sent its rows.
     assert link == {"host_to_device": 12.0 * r * SEQ_LEN + 20 * b,
-                    "host_to_device_padded": 12.0 * b * padded_width + 20 * b}
+                    "host_to_device_padded": 12.0 * b * padded_width + 20 * b,
+                    "host_to_device_per_device": 12.0 * r * SEQ_LEN / 2 + 20 * b}
+
+
+def test_rows_cross_once_per_data_parallel_group_and_are_shared_on_the_device():
+  # data=2, tensor=4: each data-parallel group is 4 devices. Placed once per group, each device is sent a
+  # quarter of its group's rows (an eighth of all) and gathers the rest on the device; the result is the
+  # per-device placement's, shard for shard.
+  mesh = make_mesh(MeshConfig(data=2, tensor=4), jax.devices()[:8])
+  x_rw = np.arange(16 * SEQ_LEN, dtype=np.int32).reshape(16, SEQ_LEN)
+  reads = []
+
+  def read(a, b):
+    reads.append((a, b))
+    return x_rw[a:b]
+
+  sharding = batch_sharding(mesh, 2)
+  split = global_batch.group_split(sharding, x_rw.shape)
+  parts = global_batch.global_batch(split, x_rw.shape, x_rw.dtype, read)
+  assert sorted(reads) == [(2 * i, 2 * i + 2) for i in range(8)]          # every row read once
+  assert {s.data.nbytes for s in parts.addressable_shards} == {x_rw.nbytes // 8}
+  shared, most = global_batch.global_batch_once_per_group(sharding, x_rw.shape, x_rw.dtype, lambda a, b: x_rw[a:b])
+  assert most == x_rw.nbytes // 8 and shared.sharding == sharding
+  plain = global_batch.global_batch(sharding, x_rw.shape, x_rw.dtype, lambda a, b: x_rw[a:b])
+  for s1, s2 in zip(shared.addressable_shards, plain.addressable_shards):
+    assert s1.device == s2.device and s1.index == s2.index
+    np.testing.assert_array_equal(s1.data, s2.data)
+  # 12 rows do not split over 8 devices: each device is sent its group's 6 rows.
+  assert global_batch.group_split(sharding, (12, SEQ_LEN)) is None
+  _, most = global_batch.global_batch_once_per_group(sharding, (12, SEQ_LEN), np.int32, lambda a, b: x_rw[a:b])
+  assert most == 6 * SEQ_LEN * 4
 
 
 @pytest.mark.parametrize("kl_mode", ["loss", "reward"])

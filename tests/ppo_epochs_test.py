@@ -102,7 +102,7 @@ def test_mini_batches_must_divide_the_batch():
 def test_several_updates_under_stalesync_keep_one_version_per_batch(tmp_path):
   over = {"rollout.num_prompts": 8, "run.steps": 3, "warmup.steps": 20, "warmup.learning_rate": 3e-3,
           "algo.ppo_epochs": 2, "algo.mini_batches": 2, "algo.policy_loss": "decoupled_ppo",
-          "stalesync.enabled": True, "stalesync.max_staleness": 1, "stalesync.rollout_fraction": 0.5}
+          "stalesync.enabled": True, "stalesync.max_staleness": 1, "stalesync.train_fraction": 0.5}
   loop.run(tiny(**over), str(tmp_path / "run"))
   rows = [r for r in metrics_lib.read_metrics(str(tmp_path / "run")) if "loss" in r]
   assert [r["policy_version"] for r in rows] == [1.0, 2.0, 3.0]

@@ -106,7 +106,7 @@ def test_ppo_under_stalesync(tmp_path):
   # The critic goes through the bounded-staleness schedule's phases too (parked while generating, values
   # of the admitted groups, one update per RL step).
   cfg = tiny(**PPO, **{"stalesync.enabled": True, "stalesync.max_staleness": 1,
-                       "stalesync.rollout_fraction": 0.5, "rollout.num_slots": 16,
+                       "stalesync.train_fraction": 0.5, "rollout.num_slots": 16,
                        "algo.policy_loss": "decoupled_ppo", "run.steps": 2})
   loop.run(cfg, str(tmp_path / "run"))
   rows = rl_rows(tmp_path / "run")

@@ -40,7 +40,7 @@ TINY = ["--config.model.hidden_size=32", "--config.model.num_layers=2", "--confi
         "--config.warmup.batch_size=16", "--config.warmup.checkpoint_every=0", "--config.run.checkpoint_every=0",
         "--config.run.eval_every=3", "--config.run.progress_every_s=0", f"--compilation_cache={CACHE}"]
 STALESYNC = ["--config.stalesync.enabled=True", "--config.stalesync.max_staleness=1",
-             "--config.stalesync.rollout_fraction=0.5", "--config.rollout.num_slots=32"]
+             "--config.stalesync.train_fraction=0.5", "--config.rollout.num_slots=32"]
 KEYS = ("reward", "loss", "grad_norm", "entropy", "response_len_mean", "accuracy")
 STALESYNC_KEYS = ("data_position", "stalesync/generated_groups_total", "stalesync/trained_groups_total",
                   "stalesync/staleness_mean", "stalesync/waiting_samples_after")

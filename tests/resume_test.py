@@ -355,7 +355,7 @@ BINARY_FLAGS = ["--config.model.hidden_size=32", "--config.model.num_layers=2", 
                 "--config.run.eval_every=3", "--config.run.progress_every_s=0",
                 # StaleSync (s = 1, f = 0.5): the checkpoints carry the queue and in-flight samples.
                 "--config.stalesync.enabled=True", "--config.stalesync.max_staleness=1",
-                "--config.stalesync.rollout_fraction=0.5", "--config.rollout.num_slots=32"]
+                "--config.stalesync.train_fraction=0.5", "--config.rollout.num_slots=32"]
 
 
 def _binary(workdir, log=None):
@@ -442,3 +442,14 @@ def test_sigkill_at_a_random_point_then_resume_equals_uninterrupted(tmp_path):
                                                       + last["stalesync/waiting_samples_after"] / 4)
   assert json.load(open(os.path.join(killed, "summary.json"))) == \
       json.load(open(os.path.join(straight, "summary.json")))
+
+
+def test_a_run_saved_before_a_rename_or_a_new_field_compares_equal():
+  # stalesync.rollout_fraction became stalesync.train_fraction; algo.ppo_epochs did not exist then: at its
+  # default (1) it is no change, at 2 it is one.
+  from rl_fusion_jax.orchestration import resume as resume_lib
+  saved = {"stalesync": {"rollout_fraction": 0.5}, "algo": {"clip_low": 0.2}}
+  assert resume_lib.compare(saved, {"stalesync": {"train_fraction": 0.5},
+                                    "algo": {"clip_low": 0.2, "ppo_epochs": 1}}) == {}
+  assert resume_lib.compare(saved, {"stalesync": {"train_fraction": 0.25}, "algo": {"clip_low": 0.2, "ppo_epochs": 2}}
+                            ) == {"stalesync.train_fraction": (0.5, 0.25), "algo.ppo_epochs": ("<absent>", 2)}

@@ -157,10 +157,10 @@ def test_overlap_and_transport_sizes_are_measured(runs):
 @pytest.mark.parametrize("over,processes,match", [
     ({"fusion.mode": "colocated"}, [0, 0, 1, 1], "config.fusion.mode"),
     ({"stalesync.enabled": False}, [0, 0, 1, 1], "config.stalesync.enabled"),
-    ({"stalesync.max_staleness": 1, "stalesync.rollout_fraction": 0.5}, [0, 0, 1, 1],
-     "config.stalesync.rollout_fraction"),
+    ({"stalesync.max_staleness": 1, "stalesync.train_fraction": 0.5}, [0, 0, 1, 1],
+     "config.stalesync.train_fraction"),
     ({}, [0, 0, 0, 0], "exactly 2 processes"),
-    ({"fusion.rollout_fraction": 0.25}, [0, 0, 1, 1], "config.fusion.rollout_fraction"),
+    ({"fusion.rollout_device_fraction": 0.25}, [0, 0, 1, 1], "config.fusion.rollout_device_fraction"),
 ])
 def test_bad_input_is_named(over, processes, match):
   cfg = tiny(**{"fusion.mode": "separated", "stalesync.enabled": True, **over})

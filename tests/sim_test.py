@@ -179,7 +179,7 @@ def test_sharing_slows_only_the_overlapped_phases():
 
 def test_colocated_stalesync_reaches_the_bound_and_trains_every_prompt_once():
   w = Workload(4, 2, 3, 64, 8, 0.8, forced=True)
-  res = schedules.simulate(w, schedules.Schedule(max_staleness=2, rollout_fraction=0.5, num_slots=8),
+  res = schedules.simulate(w, schedules.Schedule(max_staleness=2, train_fraction=0.5, num_slots=8),
                            _costs(), 20)
   assert max(r.staleness_mean for r in res.steps) <= 2
   assert all(r.train_tokens > 0 for r in res.steps)

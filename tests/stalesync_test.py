@@ -25,7 +25,7 @@ def assert_equal_rows(a, b, keys=KEYS):
 
 def stale(s, f, **over):
   # A warm-up long enough that responses end at different lengths (EOS), so groups finish apart.
-  base = {"stalesync.enabled": True, "stalesync.max_staleness": s, "stalesync.rollout_fraction": f,
+  base = {"stalesync.enabled": True, "stalesync.max_staleness": s, "stalesync.train_fraction": f,
           "run.steps": 5, "rollout.max_new_tokens": 6, "model.max_position_embeddings": 32,
           "warmup.steps": 40, "warmup.learning_rate": 3e-3}
   if f < 1:    # slots for the whole pool, so the groups left in flight have generated tokens
@@ -96,9 +96,9 @@ def test_crash_mid_run_resumes_the_queue_and_in_flight_samples(tmp_path, monkeyp
 
 @pytest.mark.parametrize("over,match", [
     ({"stalesync.max_staleness": -1}, "config.stalesync.max_staleness"),
-    ({"stalesync.rollout_fraction": 0.0}, "config.stalesync.rollout_fraction"),
-    ({"stalesync.rollout_fraction": 1.5}, "config.stalesync.rollout_fraction"),
-    ({"stalesync.max_staleness": 0, "stalesync.rollout_fraction": 0.5}, "must be 1 when max_staleness is 0"),
+    ({"stalesync.train_fraction": 0.0}, "config.stalesync.train_fraction"),
+    ({"stalesync.train_fraction": 1.5}, "config.stalesync.train_fraction"),
+    ({"stalesync.max_staleness": 0, "stalesync.train_fraction": 0.5}, "must be 1 when max_staleness is 0"),
 ])
 def test_bad_stalesync_config_is_named(over, match):
   with pytest.raises(ConfigError, match=match):
@@ -122,13 +122,13 @@ def test_engine_counts_per_update_are_the_replays_and_stalesync_takes_few_chunks
   runs = {}
   for s, f in ((0, 1.0), (1, 0.5)):
     cfg = tiny(**over, **({"stalesync.enabled": True, "stalesync.max_staleness": s,
-                           "stalesync.rollout_fraction": f} if s else {}))
+                           "stalesync.train_fraction": f} if s else {}))
     workdir = str(tmp_path / f"s{s}")
     loop.run(cfg, workdir)
     r = cfg.rollout
     w = Workload(r.num_prompts, r.group_size, r.max_prompt_len, r.max_new_tokens, r.forced_length_median,
                  r.forced_length_sigma, seed=cfg.run.seed, forced=True)
-    sim = schedules.simulate(w, schedules.Schedule(max_staleness=s, rollout_fraction=f, num_slots=16,
+    sim = schedules.simulate(w, schedules.Schedule(max_staleness=s, train_fraction=f, num_slots=16,
                                                     chunk_steps=4, prefill_rows=8),
                              Costs(GenCost(), TrainCost()), cfg.run.steps)
     measured = rows(workdir)

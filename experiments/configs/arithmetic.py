@@ -19,7 +19,7 @@ Variants in this file: ``--config=...arithmetic.py:ppo`` (PPO: a critic initiali
 policy and GAE, gamma = lambda = 1), ``:dapo`` (dynamic sampling, clip-higher 0.28, soft overlong
 penalty over the last 2 tokens), ``:drgrpo`` (Dr. GRPO advantages and aggregation), ``:kl`` (k3 KL
 penalty against the warm-up policy), ``:stalesync`` (StaleSync with max_staleness 1 and
-rollout_fraction 0.5: 32 groups outstanding, 16 trained per update, decoupled-PPO off-policy correction),
+train_fraction 0.5: 32 groups outstanding, 16 trained per update, decoupled-PPO off-policy correction),
 ``:moe`` (a Qwen3-MoE-style policy: 8 experts of hidden 96, top-2 with renormalised weights, q/k norm,
 load-balance loss 0.01 and z-loss 1e-3; experts over data x fsdp while training and over fsdp while
 generating, so on the 2-device CPU default each device holds 4 experts in training and all 8 while
@@ -28,18 +28,19 @@ generating). Append ``,stalesync`` (``:moe,stalesync``) to combine it with the S
 0.963; pass@1 0.734 -> 0.908, pass@8 0.939 -> 0.994; the load-balance loss went 2.29 -> 2.20 (2 is
 perfect balance) with every expert taking 9.4-18.3% of the assignments at the last step.
 """
-import ml_collections
+from rl_fusion_jax import config as config_lib
 
 
 def model(vocab_size=128, hidden=128, layers=4, heads=4, kv_heads=2, mlp=384):
-  return ml_collections.ConfigDict(dict(
-      model_type="qwen2", vocab_size=vocab_size, hidden_size=hidden, num_layers=layers, num_heads=heads,
-      num_kv_heads=kv_heads, intermediate_size=mlp, qkv_bias=True, tie_word_embeddings=True,
-      max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6, dtype="bf16_matmul",
-      param_dtype="float32", init_std=0.02, hf_path="",
-      # A tiny model on CPU: layers fully unrolled (faster than a rolled scan here, and compile time is
-      # small at 4 layers), no remat, one lm-head chunk per micro-batch.
-      remat="none", scan_unroll=layers, logits_chunk=8192))
+  """The main job's Qwen2-style model (every field not set here at its ModelConfig default)."""
+  m = config_lib.default_config_dict().model
+  m.update(vocab_size=vocab_size, hidden_size=hidden, num_layers=layers, num_heads=heads,
+           num_kv_heads=kv_heads, intermediate_size=mlp, qkv_bias=True, tie_word_embeddings=True,
+           max_position_embeddings=64, dtype="bf16_matmul",
+           # A tiny model on CPU: layers fully unrolled (faster than a rolled scan here, and compile time
+           # is small at 4 layers), no remat (the default), one lm-head chunk per micro-batch.
+           scan_unroll=layers, logits_chunk=8192)
+  return m
 
 
 def moe_model(**over):
@@ -51,38 +52,18 @@ def moe_model(**over):
 
 
 def get_config(arg: str = ""):
-  c = ml_collections.ConfigDict()
+  c = config_lib.default_config_dict()
   variants = [a for a in arg.split(",") if a]
   moe = "moe" in variants
   arg = ",".join(a for a in variants if a != "moe")
   c.model = moe_model() if moe else model()
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, cpu_devices=0))
-  c.fusion = ml_collections.ConfigDict(dict(
-      mode="colocated", rollout_fraction=0.5, aux_devices=1, bucket_bytes=64 << 20,
-      offload_optimizer=True, memory_every=0, train_rules=(), generate_rules=()))
-  c.task = ml_collections.ConfigDict(dict(
-      name="arithmetic", kwargs=dict(min_digits=1, max_digits=2, ops="+-"), tokenizer="char",
-      eval_seed=10_000, eval_problems=512, eval_samples=8, pass_k=8, reward_model="", reward_model_weight=1.0,
-      verify_workers=1, prompt_format="plain", system_prompt=""))
-  c.rollout = ml_collections.ConfigDict(dict(
-      num_prompts=16, group_size=8, max_prompt_len=8, max_new_tokens=6, temperature=1.0, top_k=0,
-      top_p=1.0, num_slots=0, chunk_steps=16, prefill_rows=0, keep_cache=False))
-  c.algo = ml_collections.ConfigDict(dict(
-      advantage="grpo", policy_loss="ppo_clip", clip_low=0.2, clip_high=0.2, dual_clip=None,
-      kl_coef=0.0, kl_estimator="k3", kl_mode="loss", entropy_coef=0.0, aggregation="token-mean",
-      is_cap=5.0, gamma=1.0, lam=1.0, overlong_buffer=0, overlong_factor=1.0, dynamic_sampling=False,
-      dynamic_sampling_rounds=4))
-  c.critic = ml_collections.ConfigDict(dict(learning_rate=1e-4, value_clip=0.2, init=""))
-  c.optim = ml_collections.ConfigDict(dict(
-      learning_rate=1e-4, b1=0.9, b2=0.99, weight_decay=0.0, grad_clip=1.0, warmup_steps=0,
-      micro_batches=1, tokens_per_micro_batch=0, pack_rows=False))
+  c.task.kwargs = dict(min_digits=1, max_digits=2, ops="+-")
+  c.task.eval_problems, c.task.eval_samples, c.task.pass_k = 512, 8, 8
+  c.rollout.max_prompt_len, c.rollout.max_new_tokens = 8, 6
+  c.optim.learning_rate, c.optim.b2 = 1e-4, 0.99
   # warmup.seed fixed: every run.seed starts RL from the same warmed-up policy (one SFT checkpoint).
-  c.warmup = ml_collections.ConfigDict(dict(steps=2500, batch_size=64, learning_rate=2e-3,
-                                             checkpoint_every=250, seed=0))
-  c.run = ml_collections.ConfigDict(dict(
-      steps=300, seed=0, checkpoint_every=100, keep_checkpoints=2, progress_every_s=5.0, eval_every=100,
-      on_nonfinite="stop", max_consecutive_skips=3))
-  c.stalesync = ml_collections.ConfigDict(dict(enabled=False, max_staleness=0, rollout_fraction=1.0))
+  c.warmup.update(steps=2500, learning_rate=2e-3, checkpoint_every=250, seed=0)
+  c.run.update(steps=300, checkpoint_every=100, eval_every=100)
   if arg == "drgrpo":
     c.algo.advantage = "dr_grpo"
     c.algo.aggregation = "seq-mean-token-sum-norm"
@@ -95,7 +76,7 @@ def get_config(arg: str = ""):
   elif arg == "kl":
     c.algo.kl_coef = 0.05
   elif arg == "stalesync":
-    c.stalesync.enabled, c.stalesync.max_staleness, c.stalesync.rollout_fraction = True, 1, 0.5
+    c.stalesync.enabled, c.stalesync.max_staleness, c.stalesync.train_fraction = True, 1, 0.5
     c.rollout.num_slots = 256          # every outstanding sample has a slot, so long tails stay in flight
     c.algo.policy_loss = "decoupled_ppo"
   elif arg == "steps":

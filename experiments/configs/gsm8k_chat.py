@@ -26,7 +26,7 @@ a tiny random checkpoint (rl_fusion_jax/testing/chat_fixture.py) on CPU.
 import os
 import runpy
 
-import ml_collections
+from rl_fusion_jax import config as config_lib
 
 # Config files are loaded by path, not imported as a package: the base config is run by path too.
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -39,24 +39,16 @@ def get_config(arg: str = ""):
   if arg:
     raise ValueError(f"gsm8k_chat.py has no variants; got {arg!r}")
   c = runpy.run_path(_ARITHMETIC)["get_config"]()
-  # The architecture comes from DIR/config.json; only the runtime fields are chosen here: bfloat16
-  # compute over float32 master weights (generation on the switch's bfloat16 copy), each layer
-  # rematerialized in the backward pass, the lm head 1,024 tokens at a time.
-  c.model = ml_collections.ConfigDict(dict(hf_path="", init_std=0.02, dtype="bfloat16", remat="full",
-                                           scan_unroll=1, logits_chunk=1024))
-  c.task = ml_collections.ConfigDict(dict(
-      name="gsm8k", kwargs=dict(path=SAMPLE), tokenizer="", prompt_format="chat", system_prompt="",
-      eval_seed=10_000, eval_problems=64, eval_samples=0, pass_k=1, reward_model="", reward_model_weight=1.0,
-      verify_workers=1))
-  c.rollout = ml_collections.ConfigDict(dict(
-      num_prompts=16, group_size=8, max_prompt_len=384, max_new_tokens=512, temperature=1.0, top_k=0,
-      top_p=1.0, num_slots=0, chunk_steps=32, prefill_rows=0, keep_cache=False))
-  c.algo.kl_coef = 0.0
-  c.optim = ml_collections.ConfigDict(dict(
-      learning_rate=1e-6, b1=0.9, b2=0.99, weight_decay=0.0, grad_clip=1.0, warmup_steps=10,
-      micro_batches=1, tokens_per_micro_batch=0, pack_rows=False))
+  # The architecture comes from DIR/config.json (the model fields left None are not given); only the
+  # runtime fields are chosen here: bfloat16 compute over float32 master weights (generation on the
+  # switch's bfloat16 copy), each layer rematerialized in the backward pass, the lm head 1,024 tokens at
+  # a time.
+  c.model = config_lib.default_config_dict().model
+  c.model.update(dtype="bfloat16", remat="full", scan_unroll=1, logits_chunk=1024)
+  c.task.kwargs = dict(path=SAMPLE)    # replaces arithmetic's (update() would merge them)
+  c.task.update(name="gsm8k", tokenizer="", prompt_format="chat", eval_problems=64, eval_samples=0, pass_k=1)
+  c.rollout.update(max_prompt_len=384, max_new_tokens=512, chunk_steps=32)
+  c.optim.update(learning_rate=1e-6, warmup_steps=10)
   c.warmup.steps = 0
-  c.run = ml_collections.ConfigDict(dict(
-      steps=200, seed=0, checkpoint_every=50, keep_checkpoints=2, progress_every_s=30.0, eval_every=50,
-      on_nonfinite="stop", max_consecutive_skips=3))
+  c.run.update(steps=200, checkpoint_every=50, progress_every_s=30.0, eval_every=50)
   return c

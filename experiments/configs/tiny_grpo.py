@@ -23,7 +23,6 @@ def get_config(arg: str = ""):
   c = arithmetic["get_config"]()
   c.model = arithmetic["model"](vocab_size=512, hidden=256, layers=4, heads=4, kv_heads=2, mlp=688)
   c.model.tie_word_embeddings = False
-  c.model.max_position_embeddings = 64
   c.task.kwargs = dict(min_digits=1, max_digits=3, ops="+-")
   c.rollout.max_prompt_len = 16
   c.rollout.max_new_tokens = 32

@@ -18,6 +18,8 @@ advantages and returns; `outcome_token_rewards` turns a sequence reward into suc
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
@@ -161,6 +163,19 @@ def outcome_token_rewards(rewards_b: Float[ArrayLike, "b"], mask_bt: Float[Array
     raise ValueError(f"rewards_b must be [B] for mask_bt [B, T], got {rewards_b.shape} and {mask_bt.shape}")
   last_bt = mask_bt & ~_shift_left(mask_bt, False)
   return jnp.where(last_bt, rewards_b[:, None], 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class GAEParams:
+  """Hyperparameters of `gae`: the discount and the trace decay, each in [0, 1]."""
+  gamma: float = 1.0
+  lam: float = 1.0
+
+  def __post_init__(self):
+    for name in ("gamma", "lam"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
 
 
 def gae(

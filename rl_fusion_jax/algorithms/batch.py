@@ -25,8 +25,8 @@ def sequence_kl(logp_bt: Float[Array, "b t"], ref_logp_bt: Float[Array, "b t"], 
 
 
 def train_batch(rollout: Rollout, rewards_b: Float[Array, "b"], ref_logp_bt: Float[Array, "b t"], *,
-                advantage: str, group_size: int, kl_coef: float, kl_estimator: str, kl_mode: str
-                ) -> tuple[TrainBatch, dict[str, Array]]:
+                advantage: str, group_size: int, kl_coef: float, kl_estimator: str, kl_mode: str,
+                advantage_hparams=None) -> tuple[TrainBatch, dict[str, Array]]:
   """(TrainBatch, stats): advantages from the (KL-shaped, when kl_mode == 'reward') rewards."""
   mask_bt, stats = rollout.response_mask(), {}
   if kl_coef > 0:
@@ -34,7 +34,7 @@ def train_batch(rollout: Rollout, rewards_b: Float[Array, "b"], ref_logp_bt: Flo
     stats["kl_seq"] = jnp.mean(kl_b)
     if kl_mode == "reward":
       rewards_b = rewards_b - kl_coef * kl_b
-  adv_b = registry.get_advantage_fn(advantage)(rewards_b, group_size)
+  adv_b = registry.get_advantage_fn(advantage)(rewards_b, group_size, **(advantage_hparams or {}))
   stats["advantage_abs_mean"] = jnp.mean(jnp.abs(adv_b))
   batch = TrainBatch(tokens_bt=rollout.tokens_bt, mask_bt=mask_bt, advantages_bt=adv_b[:, None] * mask_bt,
                      behaviour_logp_bt=rollout.logp_bt, ref_logp_bt=ref_logp_bt, version_bt=rollout.version_bt)
@@ -50,12 +50,14 @@ def masked_whiten(x_bt: Float[Array, "b t"], mask_bt: Float[Array, "b t"], eps: 
 
 
 def train_batch_gae(rollout: Rollout, rewards_b: Float[Array, "b"], ref_logp_bt: Float[Array, "b t"],
-                    values_bt: Float[Array, "b t"], *, advantage: str, gamma: float, lam: float, kl_coef: float,
-                    kl_estimator: str, kl_mode: str) -> tuple[TrainBatch, dict[str, Array], Float[Array, "b t"]]:
+                    values_bt: Float[Array, "b t"], *, advantage: str, kl_coef: float, kl_estimator: str,
+                    kl_mode: str, advantage_hparams=None
+                    ) -> tuple[TrainBatch, dict[str, Array], Float[Array, "b t"]]:
   """(TrainBatch, stats, returns_bt) for PPO with a critic: per-token advantages from a token-level
   estimator (GAE) over the critic's rollout-time ``values_bt``.
 
-  Token rewards: the sequence reward on each response's last token; with ``kl_mode == 'reward'`` minus
+  ``advantage_hparams``: the estimator's (GAE: gamma, lam). Token rewards: the sequence reward on each
+  response's last token; with ``kl_mode == 'reward'`` minus
   ``kl_coef * KL_t`` on every response token (InstructGPT-style PPO). The advantages are whitened over
   the batch's response tokens (masked mean 0, std 1); the returns (advantages + values, before
   whitening) are the critic's regression targets.
@@ -68,7 +70,7 @@ def train_batch_gae(rollout: Rollout, rewards_b: Float[Array, "b"], ref_logp_bt:
     if kl_mode == "reward":
       token_rewards_bt = token_rewards_bt - kl_coef * kl_bt
   adv_bt, returns_bt = registry.get_token_advantage_fn(advantage)(token_rewards_bt, values_bt, mask_bt,
-                                                                  gamma=gamma, lam=lam)
+                                                                  **(advantage_hparams or {}))
   n = jnp.maximum(jnp.sum(mask_bt), 1.0)
   stats["advantage_abs_mean"] = jnp.sum(jnp.abs(adv_bt) * mask_bt) / n     # before whitening
   stats["return_mean"] = jnp.sum(returns_bt * mask_bt) / n
@@ -81,7 +83,8 @@ def train_batch_gae(rollout: Rollout, rewards_b: Float[Array, "b"], ref_logp_bt:
 def packed_train_batch(sample_rw: Int[Array, "r w"], mask_rw: Float[Array, "r w"],
                        behaviour_logp_rw: Float[Array, "r w"], ref_logp_rw: Float[Array, "r w"],
                        rewards_b: Float[Array, "b"], *, advantage: str, group_size: int, kl_coef: float,
-                       kl_estimator: str, kl_mode: str) -> tuple[Float[Array, "r w"], dict[str, Array]]:
+                       kl_estimator: str, kl_mode: str, advantage_hparams=None
+                       ) -> tuple[Float[Array, "r w"], dict[str, Array]]:
   """``train_batch``'s advantage stage on packed rows -> (advantages_rw, stats).
 
   ``sample_rw``: the index of the sample each position belongs to (-1: padding). The sequence KL of
@@ -97,6 +100,6 @@ def packed_train_batch(sample_rw: Int[Array, "r w"], mask_rw: Float[Array, "r w"
     stats["kl_seq"] = jnp.mean(kl_b)
     if kl_mode == "reward":
       rewards_b = rewards_b - kl_coef * kl_b
-  adv_b = registry.get_advantage_fn(advantage)(rewards_b, group_size)
+  adv_b = registry.get_advantage_fn(advantage)(rewards_b, group_size, **(advantage_hparams or {}))
   stats["advantage_abs_mean"] = jnp.mean(jnp.abs(adv_b))
   return adv_b[jnp.maximum(sample_rw, 0)] * mask_rw, stats

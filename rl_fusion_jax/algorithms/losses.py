@@ -22,6 +22,8 @@ Shapes: b = sequences, t = response tokens, v = vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
@@ -119,6 +121,18 @@ def ppo_clip_term(
     loss_bt = jnp.where(capped, cap_bt, loss_bt)
     dual_clipped_bt = capped.astype(loss_bt.dtype)
   return loss_bt, (clipped_bt < unclipped_bt).astype(loss_bt.dtype), dual_clipped_bt
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipParams:
+  """Hyperparameters of `clipped_surrogate` (the registry's "ppo_clip"): the PPO clip range and the
+  optional dual clip."""
+  clip_low: float = 0.2
+  clip_high: float = 0.2
+  dual_clip: float | None = None
+
+  def __post_init__(self):
+    _check_clip_params(self.clip_low, self.clip_high, self.dual_clip)
 
 
 def clipped_surrogate(

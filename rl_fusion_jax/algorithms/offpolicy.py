@@ -22,6 +22,8 @@ Shapes: b = sequences, t = response tokens.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
@@ -60,6 +62,29 @@ def _prepare(logp_bt, behaviour_logp_bt, adv, proximal_logp_bt, log_ratio_clamp,
   _check_pair(logp_bt, prox_bt, "proximal_logp_bt")
   adv_bt = _broadcast_adv(adv, logp_bt.shape)
   return logp_bt, jax.lax.stop_gradient(behaviour_bt), jax.lax.stop_gradient(prox_bt), adv_bt
+
+
+@dataclasses.dataclass(frozen=True)
+class OffPolicyParams:
+  """Hyperparameters of `decoupled_ppo_surrogate` and `uncorrected_surrogate`: the PPO clip around the
+  proximal policy and the truncation of the behaviour weight."""
+  clip_low: float = 0.2
+  clip_high: float = 0.2
+  dual_clip: float | None = None
+  is_cap: float = IS_CAP
+
+  def __post_init__(self):
+    _check_clip_params(self.clip_low, self.clip_high, self.dual_clip)
+    _check_is_cap(self.is_cap)
+
+
+@dataclasses.dataclass(frozen=True)
+class TISParams:
+  """Hyperparameters of `tis_token_loss` and `tis_seq_loss`: the truncation of the behaviour weight."""
+  is_cap: float = IS_CAP
+
+  def __post_init__(self):
+    _check_is_cap(self.is_cap)
 
 
 def _truncate(w: Float[Array, "*s"], is_cap: float) -> tuple[Float[Array, "*s"], Float[Array, "*s"]]:

@@ -239,7 +239,7 @@ def make_deployment(cfg: ExperimentConfig, abstract_params, logical_axes, tx,
   generate_rules = merge_rules(GENERATE_RULES, f.generate_rules)
   if f.mode == "separated":
     n_rollout, _ = f.split(len(devices))
-    first, rest = split_devices(devices, n_rollout, "config.fusion.rollout_fraction", per_process)
+    first, rest = split_devices(devices, n_rollout, "config.fusion.rollout_device_fraction", per_process)
     rollout_mesh = mesh_lib.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=cfg.mesh.tensor), first)
     train_mesh = aux_mesh = mesh_lib.make_mesh(cfg.mesh, rest)
   elif f.mode == "hybrid":

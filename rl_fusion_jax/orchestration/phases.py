@@ -470,7 +470,7 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
     if rows is not None:
       state, train_metrics, batch_stats = _packed_rows_update(setup, programs, state, step, rows, row_fields,
                                                               ref_logp, rewards)
-      for key in ("host_to_device", "host_to_device_padded"):    # the rewards, [B] float32 either way
+      for key in ("host_to_device", "host_to_device_padded", "host_to_device_per_device"):   # the rewards, [B]
         metrics[f"queue/link_bytes/{key}"] += np.asarray(rewards, np.float32).nbytes
     else:
       rewards_dev = data.to_global(programs.mesh, rewards)

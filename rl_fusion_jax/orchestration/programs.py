@@ -41,15 +41,16 @@ def assemble_batch(cfg: ExperimentConfig, rollout: Rollout, rewards_b, ref_logp_
   a = cfg.algo
   return algo_batch.train_batch(rollout, rewards_b, ref_logp_bt, advantage=a.advantage,
                                 group_size=cfg.rollout.group_size, kl_coef=a.kl_coef,
-                                kl_estimator=a.kl_estimator, kl_mode=a.kl_mode)
+                                kl_estimator=a.kl_estimator, kl_mode=a.kl_mode,
+                                advantage_hparams=a.advantage_hparams)
 
 
 def assemble_gae_batch(cfg: ExperimentConfig, rollout: Rollout, rewards_b, ref_logp_bt, values_bt):
   """Rollout + rewards + critic values (+ reference log-probs) -> (TrainBatch, stats, returns_bt)."""
   a = cfg.algo
   return algo_batch.train_batch_gae(rollout, rewards_b, ref_logp_bt, values_bt, advantage=a.advantage,
-                                    gamma=a.gamma, lam=a.lam, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
-                                    kl_mode=a.kl_mode)
+                                    kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_mode=a.kl_mode,
+                                    advantage_hparams=a.advantage_hparams)
 
 
 def packed_advantages(cfg: ExperimentConfig, sample_rw, mask_rw, behaviour_logp_rw, ref_logp_rw, rewards_b):
@@ -57,7 +58,8 @@ def packed_advantages(cfg: ExperimentConfig, sample_rw, mask_rw, behaviour_logp_
   a = cfg.algo
   return algo_batch.packed_train_batch(sample_rw, mask_rw, behaviour_logp_rw, ref_logp_rw, rewards_b,
                                        advantage=a.advantage, group_size=cfg.rollout.group_size,
-                                       kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_mode=a.kl_mode)
+                                       kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_mode=a.kl_mode,
+                                       advantage_hparams=a.advantage_hparams)
 
 
 @dataclasses.dataclass

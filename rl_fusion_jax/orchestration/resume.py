@@ -88,11 +88,27 @@ def _matches(path: str, patterns: Iterable[str]) -> bool:
              for p in patterns)
 
 
+def _section_defaults() -> dict[str, Any]:
+  """Dotted path -> dataclass default of every field outside ``model`` (JSON types)."""
+  out = {}
+  for f in dataclasses.fields(config_lib.ExperimentConfig):
+    if f.name == "model" or f.default_factory is dataclasses.MISSING:
+      continue
+    out.update(flatten(json.loads(json.dumps(dataclasses.asdict(f.default_factory()))), f.name + "."))
+  return out
+
+
 def compare(saved: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
-  """{path: (saved value, new value)} for every field that differs (absent: '<absent>')."""
-  a, b = flatten(saved), flatten(new)
+  """{path: (saved value, new value)} for every field that differs (absent: '<absent>').
+
+  A run saved before a field was renamed (``config.RENAMED_FIELDS``) is read under the new name, and a
+  field added since (absent from the saved run) that holds its default now is no change: the saved run
+  ran with that default's behaviour."""
+  a = {config_lib.RENAMED_FIELDS.get(p, p): v for p, v in flatten(saved).items()}
+  b, defaults = flatten(new), _section_defaults()
   return {p: (a.get(p, "<absent>"), b.get(p, "<absent>")) for p in sorted(set(a) | set(b))
-          if a.get(p, "<absent>") != b.get(p, "<absent>")}
+          if a.get(p, "<absent>") != b.get(p, "<absent>")
+          and not (p not in a and p in defaults and b.get(p) == defaults[p])}
 
 
 def normalize_overrides(overrides: Iterable[str], known: Iterable[str]) -> tuple[str, ...]:

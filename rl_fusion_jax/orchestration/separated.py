@@ -117,17 +117,18 @@ def check(cfg: ExperimentConfig, device_processes) -> None:
                       f"{cfg.fusion.mode!r}")
   if not cfg.stalesync.enabled:
     raise ConfigError("config.stalesync.enabled: the async separated schedule is StaleSync; set it to True")
-  if cfg.stalesync.rollout_fraction != 1:
-    raise ConfigError(f"config.stalesync.rollout_fraction: must be 1 in the async separated schedule "
-                      f"(batches are generated whole), got {cfg.stalesync.rollout_fraction}")
+  if cfg.stalesync.train_fraction != 1:
+    raise ConfigError(f"config.stalesync.train_fraction: must be 1 in the async separated schedule "
+                      f"(batches are generated whole), got {cfg.stalesync.train_fraction}")
   count = len(set(device_processes))
   if count != 2:
     raise ConfigError(f"jax.process_count() is {count}: the async separated schedule needs exactly 2 "
                       "processes (0: rollout, 1: training), joined by jax.distributed.initialize")
   n_rollout, _ = cfg.fusion.split(len(device_processes))
   if device_processes != [ROLLOUT] * n_rollout + [TRAIN] * (len(device_processes) - n_rollout):
-    raise ConfigError(f"config.fusion.rollout_fraction={cfg.fusion.rollout_fraction}: the rollout sub-mesh "
-                      f"({n_rollout} of {len(device_processes)} devices) must be exactly process 0's devices "
+    raise ConfigError(f"config.fusion.rollout_device_fraction={cfg.fusion.rollout_device_fraction}: the "
+                      f"rollout sub-mesh ({n_rollout} of {len(device_processes)} devices) must be exactly "
+                      "process 0's devices "
                       f"(devices per process: {[device_processes.count(p) for p in (0, 1)]})")
 
 

@@ -7,19 +7,26 @@ rows of this process's devices (hierarchical transfer). Token rows are padded he
 packed form: the host never builds the full padded [B, T] batch. ``queue_arrays`` goes one step further
 for several processes: it reads from the queue only this process's rows, one read per local group.
 
+``global_batch_once_per_group`` goes further inside a data-parallel group: devices that differ only along
+non-batch axes are each sent a distinct part of the group's rows and gather the rest on the device, so
+the host's bytes cross once per group rather than once per device (the packed update places its rows
+this way).
+
 This module must never replicate a host batch onto every device, read a row slice twice in one build, or
 read rows no local device holds.
 """
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, Sharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, Sharding
 
 from rl_fusion_jax.queue.distqueue import Batch, Packed, unpack
-from rl_fusion_jax.sharding.mesh import batch_sharding, batch_shards
+from rl_fusion_jax.sharding.mesh import BATCH_AXES, batch_sharding, batch_shards
 
 RowReader = Callable[[int, int], np.ndarray]  # (row_start, row_stop) -> rows [stop - start, ...]
 BatchReader = Callable[[np.ndarray], Batch]   # sample indices -> their fields (e.g. DistQueue.read)
@@ -37,6 +44,39 @@ def global_batch(sharding: Sharding, shape: Sequence[int], dtype, read_rows: Row
     return cache[start, stop][(slice(None),) + tuple(index[1:])]
 
   return jax.make_array_from_callback(shape, sharding, shard, dtype=dtype)
+
+
+def group_split(sharding: NamedSharding, shape: Sequence[int]) -> NamedSharding | None:
+  """``sharding`` (dimension 0 over the batch axes) with dimension 0 also split over the mesh axes the
+  batch is replicated over (``tensor``, ``stage``): every device of a data-parallel group then holds a
+  distinct part of its group's rows, and the group's rows are still one contiguous range. None when the
+  group is one device or the rows do not divide over every device."""
+  mesh = sharding.mesh
+  others = tuple(a for a in mesh.axis_names if a not in BATCH_AXES and mesh.shape[a] > 1)
+  devices = batch_shards(mesh) * math.prod(mesh.shape[a] for a in others)
+  if not others or shape[0] % devices:
+    return None
+  return NamedSharding(mesh, P(BATCH_AXES + others, *([None] * (len(shape) - 1))))
+
+
+def global_batch_once_per_group(sharding: NamedSharding, shape: Sequence[int], dtype, read_rows: RowReader
+                                ) -> tuple[jax.Array, int]:
+  """``global_batch`` whose rows cross from the host once per data-parallel group, not once per device:
+  each device of a group is sent a distinct part of the group's rows (``group_split``) and the group's
+  devices then gather them on the device (a jitted identity to ``sharding``: an all-gather over the
+  group's axes). Returns (the array with ``sharding``, the most bytes sent to one device). Falls back to
+  ``global_batch`` (each device of a group sent the group's rows) when the rows do not divide."""
+  split = group_split(sharding, shape)
+  nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+  if split is None:
+    return global_batch(sharding, shape, dtype, read_rows), nbytes // batch_shards(sharding.mesh)
+  parts = global_batch(split, shape, dtype, read_rows)
+  return _gather_to(sharding)(parts), nbytes // split.num_devices
+
+
+@functools.lru_cache(maxsize=64)
+def _gather_to(sharding: NamedSharding):
+  return jax.jit(lambda x: x, out_shardings=sharding)
 
 
 def _check_rows(rows, want: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

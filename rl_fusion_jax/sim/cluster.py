@@ -274,7 +274,7 @@ def workload(c: Cluster) -> Workload:
 def schedule(c: Cluster, mode: str, s: int, f: float) -> Schedule:
   devices = c.devices if mode == "colocated" else c.devices // 2
   replicas = devices // c.tp
-  return Schedule(mode=mode, max_staleness=s, rollout_fraction=f, num_slots=replicas * c.slots_per_replica,
+  return Schedule(mode=mode, max_staleness=s, train_fraction=f, num_slots=replicas * c.slots_per_replica,
                   chunk_steps=c.chunk_steps, batch_shards=replicas)
 
 

@@ -198,7 +198,8 @@ def schedule_from_run(run: measure.MeasuredRun) -> Schedule:
   s, r = cfg["stalesync"], cfg["rollout"]
   staleness = s["max_staleness"] if s["enabled"] else 0
   return Schedule(mode=run.mode, max_staleness=staleness,
-                  rollout_fraction=s["rollout_fraction"] if s["enabled"] else 1.0,
+                  # stalesync.train_fraction, named rollout_fraction in the config.json of older runs
+                  train_fraction=s.get("train_fraction", s.get("rollout_fraction")) if s["enabled"] else 1.0,
                   num_slots=r["num_slots"], chunk_steps=r["chunk_steps"], prefill_rows=r.get("prefill_rows", 0),
                   keep_cache=bool(r.get("keep_cache", False)),
                   batch_shards=len(run.timeline.groups[run.rollout_group]))

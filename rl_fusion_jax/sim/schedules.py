@@ -35,7 +35,7 @@ MODES = ("colocated", "separated")
 class Schedule:
   mode: str = "colocated"
   max_staleness: int = 0
-  rollout_fraction: float = 1.0
+  train_fraction: float = 1.0     # stalesync.train_fraction
   num_slots: int = 0          # 0: one per sample of a batch
   chunk_steps: int = 16
   prefill_rows: int = 0
@@ -45,13 +45,13 @@ class Schedule:
   def __post_init__(self):
     if self.mode not in MODES:
       raise ValueError(f"Schedule.mode: {self.mode!r} not in {MODES}")
-    if self.max_staleness < 0 or not 0 < self.rollout_fraction <= 1:
-      raise ValueError(f"Schedule: max_staleness >= 0 and 0 < rollout_fraction <= 1, got "
-                       f"{self.max_staleness}, {self.rollout_fraction}")
-    if self.max_staleness == 0 and self.rollout_fraction != 1:
-      raise ValueError("Schedule.rollout_fraction: must be 1 when max_staleness = 0 (synchronous)")
-    if self.mode == "separated" and self.rollout_fraction != 1:
-      raise ValueError("Schedule.rollout_fraction: the separated schedule generates whole batches (1)")
+    if self.max_staleness < 0 or not 0 < self.train_fraction <= 1:
+      raise ValueError(f"Schedule: max_staleness >= 0 and 0 < train_fraction <= 1, got "
+                       f"{self.max_staleness}, {self.train_fraction}")
+    if self.max_staleness == 0 and self.train_fraction != 1:
+      raise ValueError("Schedule.train_fraction: must be 1 when max_staleness = 0 (synchronous)")
+    if self.mode == "separated" and self.train_fraction != 1:
+      raise ValueError("Schedule.train_fraction: the separated schedule generates whole batches (1)")
 
 
 @dataclasses.dataclass
@@ -112,7 +112,7 @@ def _staleness(samples, learner: int) -> float:
 
 def _colocated(w: Workload, sch: Schedule, costs: Costs, steps: int) -> SimResult:
   engine, s = _engine(w, sch), sch.max_staleness
-  pool = math.ceil(w.num_prompts / sch.rollout_fraction - 1e-9)
+  pool = math.ceil(w.num_prompts / sch.train_fraction - 1e-9)
   waiting: dict[int, list] = {}          # finished groups in the queue: group -> samples
   position, clock, records, busy = 0, 0.0, [], []
   for learner in range(steps):

@@ -5,7 +5,7 @@
 PROCESS_ID 0 / 1: the rollout / training side of ``orchestration.separated.run`` on ``devices`` CPU
 devices, joined with the other process by jax.distributed on 127.0.0.1:PORT. PROCESS_ID ``sync``: the
 synchronous one-process loop (``loop.run``, PORT unused) on 2 x ``devices`` devices with
-fusion.mode=separated and rollout_fraction=0.5, i.e. the same rollout and training mesh shapes.
+fusion.mode=separated and rollout_device_fraction=0.5, i.e. the same rollout and training mesh shapes.
 
 Options (defaults in ``OPTIONS``): devices, steps, staleness, schedule (reproducible | opportunistic),
 transport (collective | kv), warmup (warm-up steps), new_tokens (rollout.max_new_tokens). Prints one JSON
@@ -22,7 +22,7 @@ OPTIONS = {"devices": 2, "steps": 3, "staleness": 0, "schedule": "reproducible",
 def experiment(opts: dict, sync: bool = False):
   """The tiny experiment (testing/experiments.py) in separated mode, with a reference model (kl > 0)."""
   from rl_fusion_jax.testing.experiments import tiny
-  return tiny(**{"fusion.mode": "separated", "fusion.rollout_fraction": 0.5, "algo.kl_coef": 0.05,
+  return tiny(**{"fusion.mode": "separated", "fusion.rollout_device_fraction": 0.5, "algo.kl_coef": 0.05,
                  "run.steps": int(opts["steps"]), "run.checkpoint_every": 0,
                  "rollout.max_new_tokens": int(opts["new_tokens"]), "model.max_position_embeddings": 32,
                  "warmup.steps": int(opts["warmup"]), "warmup.learning_rate": 6e-3, "stalesync.enabled": not sync,

@@ -30,9 +30,10 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 from rl_fusion_jax import algorithms, models
+from rl_fusion_jax.algorithms import registry
 from rl_fusion_jax.config import AlgoConfig
 from rl_fusion_jax.models import decoder
-from rl_fusion_jax.queue.global_batch import global_batch
+from rl_fusion_jax.queue.global_batch import global_batch, global_batch_once_per_group
 from rl_fusion_jax.sharding import pipeline
 from rl_fusion_jax.sharding.expert_parallel import with_expert_parallel
 from rl_fusion_jax.sharding.rules import TRAIN_RULES
@@ -42,8 +43,6 @@ from rl_fusion_jax.train import step as step_lib
 from rl_fusion_jax.train.logprobs import head_logprobs
 from rl_fusion_jax.train.state import TrainState
 
-# Policy losses that reduce over the time axis of a row: on a packed row they would mix samples.
-ROW_LEVEL_POLICY_LOSSES = ("tis_seq",)
 
 
 @flax.struct.dataclass
@@ -175,7 +174,7 @@ def packed_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: s
 
 
 def check_packable(algo: AlgoConfig) -> None:
-  if algo.policy_loss in ROW_LEVEL_POLICY_LOSSES:
+  if algo.policy_loss in registry.ROW_LEVEL_POLICY_LOSSES:   # it reduces over a row, which mixes samples
     raise ValueError(f"algo.policy_loss: {algo.policy_loss!r} reduces over a whole row, and a packed row "
                      "holds several samples; use the padded step (step.make_rl_step)")
 
@@ -226,12 +225,21 @@ class PackedRows:
 def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_bt, version_bt, prompt_len_b
                ) -> tuple[PackedRows, dict[str, float]]:
   """Host samples (right-padded rows, any width >= their lengths) -> ``PackedRows`` on ``mesh``, and the
-  bytes put: ``host_to_device`` (what crossed) and ``host_to_device_padded`` (the same three per-token
-  fields as [B, step.train_width] rows plus the same per-sample numbers: what the padded update places)."""
+  bytes put: ``host_to_device`` (what crossed, once per data-parallel group), ``host_to_device_padded``
+  (the same three per-token fields as [B, step.train_width] rows plus the same per-sample numbers: what
+  the padded update places) and ``host_to_device_per_device`` (the most one device was sent: its part of
+  its group's rows, ``global_batch_once_per_group``, and the replicated per-sample numbers)."""
   if layout.num_rows % batch_shards(mesh):
     raise ValueError(f"{layout.num_rows} packed rows do not split over data*fsdp={batch_shards(mesh)} "
                      "batch shards; take the row buckets from packing.row_multiple")
-  rows_fn = lambda x_rw: global_batch(batch_sharding(mesh, 2), x_rw.shape, x_rw.dtype, lambda a, b: x_rw[a:b])
+  per_device = []
+
+  def rows_fn(x_rw):
+    array, most = global_batch_once_per_group(batch_sharding(mesh, 2), x_rw.shape, x_rw.dtype,
+                                              lambda a, b: x_rw[a:b])
+    per_device.append(most)
+    return array
+
   token = lambda name, x, dtype: rows_fn(layout.pack(np.asarray(x, dtype), packing.PAD[name]))
   i32 = lambda x: np.asarray(x, np.int32)
   per_sample = dict(row_b=i32(layout.row_b), start_b=i32(layout.start_b), length_b=i32(layout.length_b),
@@ -243,7 +251,8 @@ def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_
   sample_bytes = sum(x.nbytes for x in per_sample.values())
   width = step_lib.train_width(int(layout.length_b.max(initial=0)), layout.width)
   return rows, {"host_to_device": float(3 * 4 * layout.num_rows * layout.width + sample_bytes),
-                "host_to_device_padded": float(3 * 4 * len(layout.length_b) * width + sample_bytes)}
+                "host_to_device_padded": float(3 * 4 * len(layout.length_b) * width + sample_bytes),
+                "host_to_device_per_device": float(sum(per_device) + sample_bytes)}
 
 
 def row_layout(rows: PackedRows):

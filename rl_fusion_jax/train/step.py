@@ -258,8 +258,7 @@ def rl_loss_from_logprobs(algo: AlgoConfig, logp_bt, entropy_bt, *, behaviour_lo
   """
   loss_w_bt, metric_w_bt = weights
   policy_loss = registry.get_policy_loss(algo.policy_loss)
-  kw = dict(clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip, is_cap=algo.is_cap,
-            mask_bt=mask_bt)
+  kw = dict(algo.loss_hparams, mask_bt=mask_bt)
   old_logp_bt = behaviour_logp_bt
   if proximal_logp_bt is not None and algo.policy_loss == "ppo_clip":
     old_logp_bt = proximal_logp_bt
