@@ -1,4 +1,4 @@
-r"""GRPO on one co-located mesh.
+r"""The RL binary: GRPO, PPO or DAPO, synchronous or StaleSync, in any single-program deployment mode.
 
   python experiments/grpo_main.py --config=experiments/configs/arithmetic.py --workdir=/tmp/grpo
 

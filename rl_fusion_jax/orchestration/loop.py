@@ -1,4 +1,8 @@
-"""The synchronous GRPO loop: ``run(config, workdir)``.
+"""The training loop of every schedule and deployment mode: ``run(config, workdir)``.
+
+One run: a synchronous step (``phases.rl_step``) or a StaleSync step (``stalesync.StaleSync``), with any
+registered algorithm (GRPO, PPO with a critic, DAPO options) in the deployment ``fusion.mode`` names
+(colocated, full, hybrid; separated runs one process per side through ``separated.run``).
 
 Sections:
   1. validate everything that can be validated before anything is compiled or written, including

@@ -1,4 +1,4 @@
-"""StaleSync on one co-located mesh: bounded-staleness rollout phases over the DistQueue.
+"""StaleSync: bounded-staleness rollout phases over the DistQueue, in every deployment mode of one program.
 
 One step of ``StaleSync.step``:
   1. top up: new problems enter the engine so that ``pool = ceil(num_prompts / f)`` groups are
