@@ -30,7 +30,8 @@ STEPS, NUM_PROMPTS = 3, 4
 RUNS = {"s0": dict(staleness=0, transport="kv"),
         "s1_collective": dict(staleness=1, transport="collective"),
         "s1_kv": dict(staleness=1, transport="kv"),
-        "s1_opportunistic": dict(staleness=1, transport="kv", schedule="opportunistic")}
+        # ... and two epochs of two mini-batches per batch on the trainer (algo.ppo_epochs, algo.mini_batches).
+        "s1_opportunistic": dict(staleness=1, transport="kv", schedule="opportunistic", epochs=2)}
 
 
 def _free_port() -> int:
@@ -205,3 +206,9 @@ def test_overlap_arithmetic():
   out = separated.overlap([(0, 2), (3, 4)], [(1, 2.5), (2, 3.5)])
   assert out["wall_s"] == 4 and out["both_busy_frac"] == pytest.approx(1.5 / 4)
   assert out["rollout_idle_frac"] == pytest.approx(1 / 4) and out["train_idle_frac"] == pytest.approx(1.5 / 4)
+
+
+def test_several_updates_per_batch_run_on_the_separated_trainer(runs):
+  rows = runs["s1_opportunistic"][1]
+  assert len(rows) == STEPS and all(r["ppo/epoch1/kl_proximal"] >= 0 and "ppo/epoch0/clip_frac" in r for r in rows)
+  assert all("ppo/epoch0/clip_frac" not in r for r in runs["s1_kv"][1])

@@ -8,7 +8,8 @@ synchronous one-process loop (``loop.run``, PORT unused) on 2 x ``devices`` devi
 fusion.mode=separated and rollout_device_fraction=0.5, i.e. the same rollout and training mesh shapes.
 
 Options (defaults in ``OPTIONS``): devices, steps, staleness, schedule (reproducible | opportunistic),
-transport (collective | kv), warmup (warm-up steps), new_tokens (rollout.max_new_tokens). Prints one JSON
+transport (collective | kv), warmup (warm-up steps), new_tokens (rollout.max_new_tokens), epochs (algo.ppo_epochs
+and algo.mini_batches: that many epochs of that many mini-batches per batch). Prints one JSON
 line: the run's summary.
 """
 import json
@@ -16,7 +17,7 @@ import os
 import sys
 
 OPTIONS = {"devices": 2, "steps": 3, "staleness": 0, "schedule": "reproducible", "transport": "kv",
-           "warmup": 15, "new_tokens": 6}
+           "warmup": 15, "new_tokens": 6, "epochs": 1}
 
 
 def experiment(opts: dict, sync: bool = False):
@@ -26,7 +27,8 @@ def experiment(opts: dict, sync: bool = False):
                  "run.steps": int(opts["steps"]), "run.checkpoint_every": 0,
                  "rollout.max_new_tokens": int(opts["new_tokens"]), "model.max_position_embeddings": 32,
                  "warmup.steps": int(opts["warmup"]), "warmup.learning_rate": 6e-3, "stalesync.enabled": not sync,
-                 "stalesync.max_staleness": int(opts["staleness"])})
+                 "stalesync.max_staleness": int(opts["staleness"]), "algo.ppo_epochs": int(opts["epochs"]),
+                 "algo.mini_batches": int(opts["epochs"])})
 
 
 def parse(argv) -> dict:
