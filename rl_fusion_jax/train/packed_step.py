@@ -255,21 +255,26 @@ def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_
                 "host_to_device_per_device": float(sum(per_device) + sample_bytes)}
 
 
+def _covering(num_rows: int, width: int, row_k, start_k, length_k):
+  """Which of K samples placed at (``row_k``, ``start_k``) with ``length_k`` tokens covers each position of
+  [num_rows, width] rows -> (k_rw: its index, clipped to 0 on padding; pos_rw: the position within it;
+  inside_rw: the position is one of its tokens). Samples of length 0 or row -1 take no place."""
+  k = jnp.arange(row_k.shape[0], dtype=jnp.int32)
+  row_k = jnp.where((row_k >= 0) & (length_k > 0), row_k, num_rows)      # empty: dropped by the scatters
+  owner_rw = jnp.full((num_rows, width), -1, jnp.int32).at[row_k, start_k].set(k, mode="drop")
+  opened_rw = jnp.zeros((num_rows, width), jnp.int32).at[row_k, start_k].set(start_k + 1, mode="drop")
+  start_rw = jax.lax.cummax(opened_rw, axis=1) - 1          # where the sample covering each column began
+  k_rw = jnp.maximum(jnp.take_along_axis(owner_rw, jnp.maximum(start_rw, 0), axis=1), 0)
+  pos_rw = jnp.arange(width, dtype=jnp.int32)[None, :] - start_rw
+  return k_rw, pos_rw, (start_rw >= 0) & (pos_rw < length_k[k_rw])
+
+
 def row_layout(rows: PackedRows):
   """(positions_rw, segment_ids_rw, sample_rw, mask_rw) of the packed rows, from the per-sample layout:
   positions restart at 0 per sample, segment ids as ``packing``'s, sample_rw the sample's index (-1 on
   padding), mask_rw 1 on response tokens (from the prompt length to the sample's end)."""
-  num_rows, width = rows.tokens_rw.shape
-  b = jnp.arange(rows.row_b.shape[0], dtype=jnp.int32)
-  row_b = jnp.where((rows.row_b >= 0) & (rows.length_b > 0), rows.row_b, num_rows)   # empty: dropped
-  owner_rw = jnp.full((num_rows, width), -1, jnp.int32).at[row_b, rows.start_b].set(b, mode="drop")
-  opened_rw = jnp.zeros((num_rows, width), jnp.int32).at[row_b, rows.start_b].set(rows.start_b + 1, mode="drop")
-  start_rw = jax.lax.cummax(opened_rw, axis=1) - 1          # where the sample covering each column began
-  sample_rw = jnp.take_along_axis(owner_rw, jnp.maximum(start_rw, 0), axis=1)
-  s_rw = jnp.maximum(sample_rw, 0)
-  pos_rw = jnp.arange(width, dtype=jnp.int32)[None, :] - start_rw
-  inside = (start_rw >= 0) & (pos_rw < rows.length_b[s_rw])
-  return (jnp.where(inside, pos_rw, 0), jnp.where(inside, rows.segment_b[s_rw], 0), jnp.where(inside, sample_rw, -1),
+  s_rw, pos_rw, inside = _covering(*rows.tokens_rw.shape, rows.row_b, rows.start_b, rows.length_b)
+  return (jnp.where(inside, pos_rw, 0), jnp.where(inside, rows.segment_b[s_rw], 0), jnp.where(inside, s_rw, -1),
           (inside & (pos_rw >= rows.prompt_len_b[s_rw])).astype(jnp.float32))
 
 
@@ -297,15 +302,8 @@ def mini_batch_rows(batch: PackedTrainBatch, row_b, start_b, length_b, sub_row_k
   is carried over token by token, segment ids are renumbered per row. Only the [K] placement crosses from
   the host; the positions each token comes from are ``packing.source_map``'s, derived here."""
   width = batch.tokens_rw.shape[1]
-  k = jnp.arange(index_k.shape[0], dtype=jnp.int32)
-  len_k = length_b[index_k]
-  row_k = jnp.where(len_k > 0, sub_row_k, num_rows)            # empty samples take no row
-  owner_rw = jnp.full((num_rows, width), -1, jnp.int32).at[row_k, sub_start_k].set(k, mode="drop")
-  opened_rw = jnp.zeros((num_rows, width), jnp.int32).at[row_k, sub_start_k].set(sub_start_k + 1, mode="drop")
-  start_rw = jax.lax.cummax(opened_rw, axis=1) - 1
-  b_rw = index_k[jnp.maximum(jnp.take_along_axis(owner_rw, jnp.maximum(start_rw, 0), axis=1), 0)]
-  pos_rw = jnp.arange(width, dtype=jnp.int32)[None, :] - start_rw
-  real = (start_rw >= 0) & (pos_rw < length_b[b_rw])
+  k_rw, pos_rw, real = _covering(num_rows, width, sub_row_k, sub_start_k, length_b[index_k])
+  b_rw = index_k[k_rw]
   src = jnp.where(real, row_b[b_rw] * width + start_b[b_rw] + pos_rw, 0)
   take = lambda x_rw, fill: jnp.where(real, x_rw.reshape(-1)[src], fill)
   return PackedTrainBatch(
