@@ -9,9 +9,17 @@ import os
 # resolving). XLA:CPU aborts the whole process when a wait passes its terminate timeout (40 s by
 # default): 600 s keeps a slow rendezvous a slow test. (A real deadlock, as seen in loop runs with a rolled
 # layer scan, rl_fusion_jax/testing/experiments.py, then costs 600 s before the same abort.)
+#
+# The tests compile many small programs and run each a few times, so compiling is most of their time:
+# `--xla_backend_optimization_level=0` (LLVM's code generation without its optimization passes; the HLO
+# the programs compute is the same) halves XLA:CPU's compile of the RL update (5.2 s -> 2.7 s,
+# tiny-grpo's model) and runs its steps about 1.5x slower. Binaries and workers the tests start get the
+# same flags (`rl_fusion_jax/testing/launch.child_env`). Users' runs keep XLA's default.
+_FLAGS = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    " --xla_cpu_collective_call_terminate_timeout_seconds=600").strip()
+    _FLAGS + " --xla_force_host_platform_device_count=8"
+    " --xla_cpu_collective_call_terminate_timeout_seconds=600"
+    + ("" if "xla_backend_optimization_level" in _FLAGS else " --xla_backend_optimization_level=0")).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)

@@ -18,6 +18,7 @@ from rl_fusion_jax.rollout.sampling import SamplingParams
 from rl_fusion_jax.sharding.mesh import make_mesh
 from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
 from rl_fusion_jax.testing.tiny import tiny_model_config
+from rl_fusion_jax.testing import launch
 
 CFG = tiny_model_config(qkv_bias=False)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,7 +80,7 @@ def test_benchmark_binary_prints_one_line_per_schedule_and_ratios():
          "--vocab=64", "--hidden=32", "--layers=1", "--heads=4", "--kv_heads=2", "--mlp=64", "--slots=8",
          "--samples=32", "--group_size=4", "--chunk=4", "--prompt_len=4", "--max_new_tokens=16",
          "--median_len=4", "--repeats=1", f"--compilation_cache={jax.config.jax_compilation_cache_dir}"]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = launch.child_env()
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-2000:]
   lines = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]

@@ -16,6 +16,7 @@ import pytest
 
 from rl_fusion_jax.config import MeshConfig
 from rl_fusion_jax.testing import multihost_worker
+from rl_fusion_jax.testing import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRICS = ("loss", "grad_norm", "entropy", "ratio")
@@ -29,7 +30,7 @@ def _free_port() -> int:
 
 def _run_workers() -> list[dict]:
   port = _free_port()
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = launch.child_env()
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
   cmd = [sys.executable, "-m", "rl_fusion_jax.testing.multihost_worker", str(port)]
   # Files, not pipes: a worker blocked on a full pipe would stall the other one inside a collective.

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from rl_fusion_jax.testing import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -12,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.parametrize("variant", ["", ":moe"])
 def test_grpo_main_runs_two_steps(tmp_path, variant):
   """The main job, and its MoE variant (experts over the 2 default devices in both phases)."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = launch.child_env()
   workdir = tmp_path / "run"
   cmd = [sys.executable, os.path.join(ROOT, "experiments", "grpo_main.py"),
          "--config=" + os.path.join(ROOT, "experiments", "configs", "arithmetic.py") + variant,

@@ -22,6 +22,7 @@ import pytest
 
 import readme_test
 from rl_fusion_jax.testing import chat_fixture
+from rl_fusion_jax.testing import launch
 
 ROOT = readme_test.ROOT
 CUT = ["--config.run.steps=6", "--config.warmup.steps=4", "--config.task.eval_problems=8",
@@ -48,7 +49,7 @@ def test_readme_commands_run_cut_down(tmp_path):
   commands = readme_test.readme_commands(readme_test.README.read_text())
   ckpt = chat_fixture.make_chat_checkpoint(tmp_path / "chat_ckpt")
   gsm8k = chat_fixture.write_gsm8k(tmp_path / "train.jsonl")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = launch.child_env()
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   runs: list[str] = []      # workdirs of the grpo_main runs so far (what DIR means for the tools)
   made: dict[str, str] = {}

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+from rl_fusion_jax.testing import launch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.path.expanduser("~/.cache/rl_fusion_jax_tests")
 
@@ -12,7 +14,7 @@ def test_quick_report_regenerates_every_section(tmp_path):
   results = tmp_path / "RESULTS.md"
   cmd = [sys.executable, os.path.join(ROOT, "experiments", "report_main.py"), f"--workdir={tmp_path / 'w'}",
          f"--results={results}", "--quick", f"--compilation_cache={CACHE}"]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}   # the binaries pick one device per core
+  env = launch.child_env()   # the binaries pick one device per core
   done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
   text = results.read_text()

@@ -22,6 +22,7 @@ from rl_fusion_jax.checkpointing import Checkpointer
 from rl_fusion_jax.errors import ConfigError, DivergenceError, ResumeError
 from rl_fusion_jax.orchestration import loop, resume
 from rl_fusion_jax.orchestration.programs import make_placement
+from rl_fusion_jax.testing import launch
 from rl_fusion_jax.testing.experiments import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -361,7 +362,7 @@ BINARY_FLAGS = ["--config.model.hidden_size=32", "--config.model.num_layers=2", 
 def _binary(workdir, log=None):
   """The binary on ``workdir``; its output to pipes, or to the open file ``log`` (for a run nothing reads
   while it runs: a full pipe would stall it)."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = launch.child_env()
   env["JAX_PLATFORMS"] = "cpu"
   cmd = [sys.executable, os.path.join(ROOT, "experiments", "grpo_main.py"),
          "--config=" + os.path.join(ROOT, "experiments", "configs", "arithmetic.py"),

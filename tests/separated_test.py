@@ -21,6 +21,7 @@ import pytest
 from rl_fusion_jax import metrics as metrics_lib
 from rl_fusion_jax.errors import ConfigError
 from rl_fusion_jax.orchestration import separated
+from rl_fusion_jax.testing import launch
 from rl_fusion_jax.testing import separated_worker
 from rl_fusion_jax.testing.experiments import tiny
 
@@ -43,7 +44,7 @@ def _free_port() -> int:
 def _launch(workdir: str, processes, opts: dict, timeout: float = 240) -> dict:
   """Runs the worker as ``processes`` (ids) in parallel; returns process 0's summary. A failing process
   ends the others at once (they would otherwise wait for it until their timeout)."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = launch.child_env()
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
   cmd = [sys.executable, "-m", "rl_fusion_jax.testing.separated_worker", str(_free_port())]
   args = [f"{k}={v}" for k, v in {"steps": STEPS, **opts}.items()]

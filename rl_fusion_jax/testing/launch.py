@@ -20,6 +20,28 @@ from rl_fusion_jax.orchestration.processes import is_timing
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+  """The environment for a binary or worker a test starts: ``env`` (default: this process's) with the
+  virtual device count taken out of ``XLA_FLAGS`` (the binary picks its own, one device per core), the
+  other XLA settings kept (the tests' compile level and collective timeout, ``tests/conftest.py``)."""
+  base = dict(os.environ if env is None else env)
+  base.pop("XLA_FLAGS", None)
+  flags = xla_flags(devices=None, env=env)
+  if flags:
+    base["XLA_FLAGS"] = flags
+  return base
+
+
+def xla_flags(devices: int | None, env: dict[str, str] | None = None) -> str:
+  """``XLA_FLAGS`` of ``env`` (default: this process's) with the virtual device count set to ``devices``
+  (None: left out)."""
+  kept = [f for f in (os.environ if env is None else env).get("XLA_FLAGS", "").split()
+          if not f.startswith("--xla_force_host_platform_device_count")]
+  if devices is not None:
+    kept.append(f"--xla_force_host_platform_device_count={devices}")
+  return " ".join(kept)
+
+
 def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -72,8 +94,8 @@ def start(binary: str, args: list[str], *, processes: int, devices: int, log_dir
   False: no distributed settings at all, a plain one-process run); ``extra[i]``: more arguments for
   process i (e.g. a different config, to test the refusal)."""
   os.makedirs(log_dir, exist_ok=True)
-  base = {k: v for k, v in (env or os.environ).items() if k != "XLA_FLAGS"}
-  base.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+  base = child_env(env)
+  base.update(XLA_FLAGS=xla_flags(devices, env), JAX_PLATFORMS="cpu",
               PYTHONPATH=ROOT + os.pathsep + base.get("PYTHONPATH", ""))
   port = free_port()
   procs, logs = [], []

@@ -148,6 +148,7 @@ def main(port: int, process_id: int) -> None:
 
 if __name__ == "__main__":
   # Set before the backend starts (importing jax does not start it); never when imported by a test.
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+  from rl_fusion_jax.testing.launch import xla_flags  # pylint: disable=g-import-not-at-top
+  os.environ["XLA_FLAGS"] = xla_flags(devices=2)
   os.environ["JAX_PLATFORMS"] = "cpu"
   main(int(sys.argv[1]), int(sys.argv[2]))

@@ -89,6 +89,7 @@ if __name__ == "__main__":
   # Set before the backend starts (importing jax does not start it); never when imported by a test.
   _opts = parse(sys.argv[4:])
   _count = int(_opts["devices"]) * (2 if sys.argv[2] == "sync" else 1)
-  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={_count}"
+  from rl_fusion_jax.testing.launch import xla_flags  # pylint: disable=g-import-not-at-top
+  os.environ["XLA_FLAGS"] = xla_flags(devices=_count)
   os.environ["JAX_PLATFORMS"] = "cpu"
   main(int(sys.argv[1]), sys.argv[2], sys.argv[3], _opts)
