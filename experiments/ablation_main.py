@@ -25,18 +25,33 @@ the order rotated), figures are medians over the repeats. From each run's metric
 (``rl_fusion_jax/sim/measure.py``): trained tok/s over the window from the end of the last unmeasured
 update to the end of the last measured one, the step time (that window / the measured steps), generate /
 train medians, seconds per step of every phase per device group, and each group's idle share of the window.
-"compile steps" counts measured steps whose update or rollout phase took over 3x the run's median (a
-compile of a new row bucket fell into the window); "steady tok/s" takes their excess out of the window
-(the simulator is validated on that).
-Writes WORKDIR/ablation.json (the rows and every run's workdir, which experiments/simulate_main.py
-fits and validates against), WORKDIR/table1.md, WORKDIR/table1.png (bar chart) and
-WORKDIR/timeline_<workload>_<variant>.png (the measured steps of the last repeat).
+
+Compiles in the measured window: every run is made with JAX_LOG_COMPILES=1, and its log's tracing,
+lowering and XLA compilation events (end time and duration) are written to RUN/compiles.json on the run's
+timeline clock; a run is marked compile-contaminated when those events cover over 1% of its window, or
+when a measured step's update or rollout phase took over 3x the run's median (the only test for runs
+made before compiles were logged). The table's medians, ratios and "steady tok/s" use the unmarked runs
+only; a row with no unmarked run keeps them all and is marked itself. "steady tok/s" also takes the
+excess of such 3x-median steps out of the window (the simulator is validated on that).
+The machine is recorded when a run is made (RUN/machine.json: CPU model, cores, load average before and
+after, the commit), never read from the machine that renders a report.
+
+--from_runs=results/runs/ablation.json: tabulate the runs a manifest lists (folders relative to it; the
+committed runs) without running anything: the table, the chart and the timelines from committed data.
+Writes WORKDIR/ablation.json (the rows, every run's workdir, its machine record and compile seconds,
+which experiments/simulate_main.py fits and validates against), WORKDIR/table1.md, WORKDIR/table1.png
+(bar chart) and WORKDIR/timeline_<workload>_<variant>.png (the measured steps of the last repeat).
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import platform
+import re
 import statistics
+import subprocess
+import sys
 import time
 
 from absl import app, flags
@@ -57,6 +72,8 @@ _WARMUP_HF = flags.DEFINE_string("warmup_hf", "", "The exported warm-up policy f
                                  "(default: made in WORKDIR/warmup_hf).")
 _CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/rl_fusion_jax/jax_cache",
                              "Persistent XLA compilation cache of the runs ('' disables).")
+_FROM_RUNS = flags.DEFINE_string("from_runs", "", "An ablation manifest (e.g. results/runs/ablation.json): "
+                                 "tabulate the runs it lists, folders relative to it, without running anything.")
 flags.mark_flags_as_required(["workdir"])
 
 BASELINE = "separated_sync"
@@ -94,27 +111,157 @@ def workload_flags(name: str, warmup_hf: str) -> list[str]:
   raise app.UsageError(f"--workloads: unknown {name!r}; known: longtail, arithmetic")
 
 
+def machine_record() -> dict:
+  """The machine as a run is made on it (written next to the run, read by the report): CPU model, cores
+  (all, and usable by this process), the 1-minute load average, OS, Python and the commit checked out."""
+  model = ""
+  try:
+    with open("/proc/cpuinfo") as f:
+      model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+  except OSError:
+    pass
+  try:
+    usable = len(os.sched_getaffinity(0))
+  except AttributeError:   # not Linux
+    usable = os.cpu_count()
+  try:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
+                            timeout=10, check=False).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    commit = ""
+  return {"cpu_model": model or platform.processor() or "unknown", "cpu_count": os.cpu_count(),
+          "usable_cores": usable, "load_avg_1m": round(os.getloadavg()[0], 2),
+          "system": f"{platform.system()} {platform.release()} {platform.machine()}",
+          "python": platform.python_version(), "commit": commit, "unix_time": round(time.time(), 1)}
+
+
 def run_variant(workload: str, variant: str, workdir: str, warmup_hf: str, warm: int, steps: int) -> float:
   binary, extra = {**VARIANTS, **EXTRA_VARIANTS}[variant]
   args = (workload_flags(workload, warmup_hf) + [f"--workdir={workdir}", f"--compilation_cache={_CACHE.value}",
                                                  f"--config.run.steps={warm + steps}"]
           + list(COMMON) + list(extra) + list(common.QUICK_MODEL if _QUICK.value else ()))
-  return common.run_binary(binary, args, workdir + ".log")
+  machine = machine_record()
+  os.environ["JAX_LOG_COMPILES"] = "1"   # the run's log then times every trace, lowering and compile
+  seconds = common.run_binary(binary, args, workdir + ".log")
+  with open(os.path.join(workdir, "machine.json"), "w") as f:
+    json.dump(machine | {"load_avg_1m_after": round(os.getloadavg()[0], 2), "run_seconds": round(seconds, 1)},
+              f, indent=1)
+  write_compiles(workdir, workdir + ".log")
+  return seconds
+
+
+# ----------------------------------------------------------------------------- compiles in the window
+
+# absl's prefix (local time) and JAX's messages under JAX_LOG_COMPILES=1 (jax._src.dispatch).
+_COMPILE_LINE = re.compile(r"^[IWEF](\d{2})(\d{2}) (\d{2}):(\d{2}):(\d{2})\.(\d{6}) .*?\] Finished "
+                           r"(tracing|jaxpr to MLIR module conversion|XLA compilation) (?:of )?(.*) in "
+                           r"([0-9.eE+-]+) sec")
+_KINDS = {"tracing": "trace", "jaxpr to MLIR module conversion": "lower", "XLA compilation": "compile"}
+COMPILE_TOLERANCE = 0.01   # of the measured window, above which a run counts as compile-contaminated
+
+
+def _session_unix(path: str) -> float:
+  with open(path) as f:
+    return float(json.loads(f.readline())["unix_time"])
+
+
+def timeline_unix_offset(workdir: str) -> float:
+  """Unix time of timeline.jsonl's second 0. A separated run's timeline.jsonl merges both sides on their
+  earliest phase; its training side's own timeline (timeline_train.jsonl) starts at its session's time, so
+  the two are aligned on the last update's end."""
+  from rl_fusion_jax import timeline as timeline_lib  # pylint: disable=g-import-not-at-top
+  merged_path = os.path.join(workdir, "timeline.jsonl")
+  own_path = os.path.join(workdir, "timeline_train.jsonl")
+  if not os.path.isfile(own_path):
+    return _session_unix(merged_path)
+  last = lambda data: max(((i.step, i.end) for i in data.intervals if i.name == "train" and i.step is not None),
+                          default=None)
+  own, merged = last(timeline_lib.load_timeline(own_path)), last(timeline_lib.load_timeline(merged_path))
+  if own is None or merged is None or own[0] != merged[0]:
+    raise ValueError(f"{workdir}: cannot align timeline_train.jsonl with timeline.jsonl")
+  return _session_unix(own_path) + own[1] - merged[1]
+
+
+def compile_events(log_path: str, unix_offset: float) -> list[list]:
+  """[start, end, kind, name] (timeline seconds) of every trace, lowering and XLA compilation the run's log
+  times (both processes of a separated run write to it)."""
+  year = time.localtime(unix_offset).tm_year
+  out = []
+  with open(log_path, errors="replace") as f:
+    for line in f:
+      m = _COMPILE_LINE.match(line)
+      if not m:
+        continue
+      mon, day, h, mi, sec, us, kind, name, seconds = m.groups()
+      stamp = datetime.datetime(year, int(mon), int(day), int(h), int(mi), int(sec), int(us)).timestamp()
+      if stamp < unix_offset - 180 * 86400:   # the run crossed New Year
+        stamp = datetime.datetime(year + 1, int(mon), int(day), int(h), int(mi), int(sec), int(us)).timestamp()
+      end = stamp - unix_offset
+      out.append([round(end - float(seconds), 4), round(end, 4), _KINDS[kind], name.strip()[:60]])
+  return out
+
+
+def write_compiles(workdir: str, log_path: str) -> None:
+  """RUN/compiles.json: the run's compile events on its timeline clock (see the module docstring)."""
+  events = compile_events(log_path, timeline_unix_offset(workdir))
+  with open(os.path.join(workdir, "compiles.json"), "w") as f:
+    json.dump({"source": "the run's log under JAX_LOG_COMPILES=1 (absl time stamps, JAX's durations), "
+                         "[start, end, kind, name] in timeline seconds", "events": events}, f)
+
+
+def _covered(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
+  """Seconds of [lo, hi] inside the union of ``spans``."""
+  total, reach = 0.0, lo
+  for a, b in sorted((max(a, lo), min(b, hi)) for a, b in spans):
+    if b > a and b > reach:
+      total += b - max(a, reach)
+      reach = b
+  return total
 
 
 def measure_run(workdir: str, warm: int, steps: int) -> dict:
+  """``measure.summarize`` of the run, with its compile seconds in the window (None: not recorded), whether
+  it is compile-contaminated, and its machine record (None: not recorded)."""
   from rl_fusion_jax.sim import measure  # pylint: disable=g-import-not-at-top
-  return measure.summarize(measure.load(workdir, warm, steps))
+  run = measure.load(workdir, warm, steps)
+  out = measure.summarize(run)
+  lo, hi = run.window()
+  path = os.path.join(workdir, "compiles.json")
+  window_s = None
+  if os.path.isfile(path):
+    with open(path) as f:
+      events = json.load(f)["events"]
+    window_s = _covered([(a, b) for a, b, *_ in events], lo, hi)
+  machine = None
+  if os.path.isfile(os.path.join(workdir, "machine.json")):
+    with open(os.path.join(workdir, "machine.json")) as f:
+      machine = json.load(f)
+  contaminated = out["compile_steps"] > 0 or (window_s or 0.0) > COMPILE_TOLERANCE * out["wall_s"]
+  with open(os.path.join(workdir, "timeline.jsonl")) as f:
+    made = json.loads(f.readline()).get("unix_time")
+  return out | {"compile_window_s": window_s, "compile_contaminated": contaminated, "machine": machine,
+                "made_unix_time": made}
+
+
+PER_RUN = ("compile_window_s", "compile_contaminated", "machine", "made_unix_time")
 
 
 def combine(runs: list[dict]) -> dict:
-  """Medians over repeats (nested dicts per key too); the per-repeat tokens/s kept."""
+  """Medians over the repeats whose window held no compile (over all of them when none is clean, the row
+  then marked ``all_contaminated``), nested dicts per key too; per repeat: tokens/s, compile steps and
+  seconds, the contamination mark."""
   def med(values):
     if isinstance(values[0], dict):
       return {k: med([v[k] for v in values if k in v]) for k in values[0]}
     return statistics.median(values)
-  out = {k: med([r[k] for r in runs]) for k in runs[0]}
+  clean = [r for r in runs if not r["compile_contaminated"]]
+  used = clean or runs
+  out = {k: med([r[k] for r in used]) for k in runs[0] if k not in PER_RUN}
   out["trained_tokens_per_s_runs"] = [r["trained_tokens_per_s"] for r in runs]
+  out["compile_steps_runs"] = [r["compile_steps"] for r in runs]
+  out["compile_window_s_runs"] = [r["compile_window_s"] for r in runs]
+  out["contaminated_runs"] = [r["compile_contaminated"] for r in runs]
+  out["runs_used"], out["all_contaminated"] = len(used), not clean
   return out
 
 
@@ -126,20 +273,33 @@ def _phases(row: dict) -> str:
   return "; ".join(parts)
 
 
+def _compiles(r: dict) -> str:
+  """Per run: measured steps over 3x the median, and the logged compile seconds in the window."""
+  parts = [f"{steps:.0f} / " + ("not logged" if secs is None else f"{secs:.2f} s")
+           for steps, secs in zip(r["compile_steps_runs"], r["compile_window_s_runs"])]
+  return f"{parts[0]} (each run)" if len(parts) > 1 and len(set(parts)) == 1 else ", ".join(parts)
+
+
 def table(rows: dict) -> str:
-  lines = ["| workload | variant | trained tok/s (per run) | x baseline | steady tok/s | step | generate | train | "
-           "phase seconds per step | idle per device group | decode steps | token staleness | compile steps |",
+  lines = ["| workload | variant | trained tok/s (per run; † compile in its window) | x baseline | steady tok/s | "
+           "step | generate | train | phase seconds per step | idle per device group | decode steps | "
+           "token staleness | compiles per run: steps over 3x median / logged seconds in the window |",
            "|" + "---|" * 13]
   for workload, by_variant in rows.items():
     base = by_variant.get(BASELINE)
     for name, r in by_variant.items():
       ratio = f"{r['trained_tokens_per_s'] / base['trained_tokens_per_s']:.2f}" if base else "-"
-      per_run = ", ".join(f"{t:,.0f}" for t in r["trained_tokens_per_s_runs"])
+      if base and (r["all_contaminated"] or base["all_contaminated"]):
+        steady = f"{r['trained_tokens_per_s_steady'] / base['trained_tokens_per_s_steady']:.2f}"
+        ratio += " †" + (f" (steady {steady})" if steady != ratio else "")
+      per_run = ", ".join(f"{t:,.0f}{'†' if c else ''}" for t, c in zip(r["trained_tokens_per_s_runs"],
+                                                                      r["contaminated_runs"]))
+      value = f"{r['trained_tokens_per_s']:,.0f}" + (" †" if r["all_contaminated"] else "")
       idle = ", ".join(f"{g} {v:.0%}" for g, v in r["idle_frac"].items())
-      lines.append(f"| {workload} | {name} | {r['trained_tokens_per_s']:,.0f} ({per_run}) | {ratio} | "
+      lines.append(f"| {workload} | {name} | {value} ({per_run}) | {ratio} | "
                    f"{r['trained_tokens_per_s_steady']:,.0f} | "
                    f"{r['step_s']:.3f} s | {r['generate_s']:.3f} s | {r['train_s']:.3f} s | {_phases(r)} | "
-                   f"{idle} | {r['decode_steps']:.0f} | {r['staleness_mean']:.2f} | {r['compile_steps']:.0f} |")
+                   f"{idle} | {r['decode_steps']:.0f} | {r['staleness_mean']:.2f} | {_compiles(r)} |")
   return "\n".join(lines)
 
 
@@ -163,35 +323,56 @@ def bar_chart(rows: dict, out: str) -> None:
   plt.close(fig)
 
 
+def _from_manifest(path: str) -> dict:
+  """The runs a manifest lists (folders relative to it), with its settings and what it says of them."""
+  with open(path) as f:
+    manifest = json.load(f)
+  here = os.path.dirname(os.path.abspath(path))
+  manifest["workdirs"] = {w: {v: [os.path.join(here, d) for d in dirs] for v, dirs in by.items()}
+                          for w, by in manifest["workdirs"].items()}
+  return manifest
+
+
 def main(argv):
   del argv
   root = os.path.abspath(_WORKDIR.value)
   os.makedirs(os.path.join(root, "runs"), exist_ok=True)
-  quick = _QUICK.value
-  workloads = ["longtail"] if quick else list(_WORKLOADS.value)
-  variants = _VARIANTS.value or list(VARIANTS)
-  unknown = [v for v in variants if v not in VARIANTS and v not in EXTRA_VARIANTS]
-  if unknown:
-    raise app.UsageError(f"--variants: unknown {unknown}; known: {list(VARIANTS) + list(EXTRA_VARIANTS)}")
-  warm, steps, repeats = (0, 2, 1) if quick else (_WARM.value, _STEPS.value, _REPEATS.value)
-  for w in workloads:
-    workload_flags(w, "")          # unknown names fail before anything runs
   t0 = time.perf_counter()
-  warmup_hf = ""
-  if "arithmetic" in workloads:
-    warmup_hf = _WARMUP_HF.value or common.exported_warmup(root, 2500, _CACHE.value)
-  runs = {w: {v: [] for v in variants} for w in workloads}
-  workdirs = {w: {} for w in workloads}
-  for rep in range(repeats):
-    order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+  if _FROM_RUNS.value:
+    manifest = _from_manifest(_FROM_RUNS.value)
+    warm, steps, repeats = manifest["warm_steps"], manifest["steps"], manifest["repeats"]
+    workdirs = manifest["workdirs"]
+    workloads, variants = list(workdirs), list(next(iter(workdirs.values())))
+    runs = {w: {v: [measure_run(d, warm, steps) for d in workdirs[w][v]] for v in variants} for w in workloads}
+    command, runs_seconds = manifest.get("command"), manifest.get("runs_seconds")
+  else:
+    quick = _QUICK.value
+    workloads = ["longtail"] if quick else list(_WORKLOADS.value)
+    variants = _VARIANTS.value or list(VARIANTS)
+    unknown = [v for v in variants if v not in VARIANTS and v not in EXTRA_VARIANTS]
+    if unknown:
+      raise app.UsageError(f"--variants: unknown {unknown}; known: {list(VARIANTS) + list(EXTRA_VARIANTS)}")
+    warm, steps, repeats = (0, 2, 1) if quick else (_WARM.value, _STEPS.value, _REPEATS.value)
     for w in workloads:
-      for v in order:
-        workdir = os.path.join(root, "runs", f"r{rep}_{w}_{v}")
-        if not os.path.isfile(os.path.join(workdir, "summary.json")):
-          print(f"repeat {rep + 1}/{repeats}: {w} {v} -> {workdir}", flush=True)
-          run_variant(w, v, workdir, warmup_hf, warm, steps)
-        runs[w][v].append(measure_run(workdir, warm, steps))
-        workdirs[w].setdefault(v, []).append(workdir)
+      workload_flags(w, "")          # unknown names fail before anything runs
+    warmup_hf = ""
+    if "arithmetic" in workloads:
+      warmup_hf = _WARMUP_HF.value or common.exported_warmup(root, 2500, _CACHE.value)
+    runs = {w: {v: [] for v in variants} for w in workloads}
+    workdirs = {w: {} for w in workloads}
+    for rep in range(repeats):
+      order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+      for w in workloads:
+        for v in order:
+          workdir = os.path.join(root, "runs", f"r{rep}_{w}_{v}")
+          if not os.path.isfile(os.path.join(workdir, "summary.json")):
+            print(f"repeat {rep + 1}/{repeats}: {w} {v} -> {workdir}", flush=True)
+            run_variant(w, v, workdir, warmup_hf, warm, steps)
+          runs[w][v].append(measure_run(workdir, warm, steps))
+          workdirs[w].setdefault(v, []).append(workdir)
+    command = " ".join(["python experiments/ablation_main.py"] + sys.argv[1:])
+    runs_seconds = sum(common.run_wall_seconds(d + ".log") for by in workdirs.values()
+                       for ds in by.values() for d in ds)
   rows = {w: {v: combine(runs[w][v]) for v in variants} for w in workloads}
   md = table(rows)
   print(md)
@@ -203,11 +384,15 @@ def main(argv):
       common.run_binary("plot_timeline.py", [f"--workdir={workdirs[w][v][-1]}", f"--steps={warm}:{warm + steps}",
                                              f"--out={os.path.join(root, f'timeline_{w}_{v}.png')}"],
                         os.path.join(root, f"timeline_{w}_{v}.log"))
+  per_run = [r for by in runs.values() for rs in by.values() for r in rs]
+  made = [r["made_unix_time"] for r in per_run if r["made_unix_time"]]
   with open(os.path.join(root, "ablation.json"), "w") as f:
     json.dump({"warm_steps": warm, "steps": steps, "repeats": repeats, "rows": rows, "workdirs": workdirs,
-               "baseline": BASELINE, "seconds": time.perf_counter() - t0,
-               "runs_seconds": sum(common.run_wall_seconds(d + ".log") for by in workdirs.values()
-                                   for ds in by.values() for d in ds)}, f, indent=1)
+               "baseline": BASELINE, "seconds": time.perf_counter() - t0, "runs_seconds": runs_seconds,
+               "command": command, "from_runs": _FROM_RUNS.value or None,
+               # Recorded when each run was made (None where it was not), not read from this machine.
+               "machines": [r["machine"] for r in per_run],
+               "made_unix_time": [min(made), max(made)] if made else None}, f, indent=1)
 
 
 if __name__ == "__main__":

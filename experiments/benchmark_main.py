@@ -31,7 +31,7 @@ _PROFILE_DIR = flags.DEFINE_string("profile_dir", "", "Trace the measured steps 
                                    "folder (a Perfetto trace, *.trace.json.gz, beside the XPlane one).")
 _TURN_STEPS = flags.DEFINE_integer("turn_steps", 0, "Take turns: wait on stdin after the warm-up and "
                                    "after every N measured steps (0: never).")
-_DISTRIBUTED = common.define_distributed_flags()   # several processes: README "Multi-host runs"
+_DISTRIBUTED = common.define_distributed_flags()   # several processes: docs/multihost.md
 flags.mark_flags_as_required(["config"])
 
 # Per-step figures a turn reports.

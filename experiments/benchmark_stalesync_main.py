@@ -77,7 +77,7 @@ VARIANTS = {
     # Whole batches (f = 1), batch k generated with version max(0, k - 1): reproducible.
     "separated_2proc_stalesync_s1": _stalesync(1, 1.0) + ("fusion.mode=separated", "mesh.cpu_devices=1"),
     # The colocated StaleSync run as 2 processes x 1 device (grpo_main.py with the multi-host settings,
-    # README "Multi-host runs"): the same schedule as stalesync_s1_f0.5, every program across processes.
+    # docs/multihost.md): the same schedule as stalesync_s1_f0.5, every program across processes.
     "stalesync_s1_f0.5_2proc": _stalesync(1, 0.5),
 }
 TWO_PROCESSES = ("separated_2proc_stalesync_s1",)

@@ -4,7 +4,7 @@ r"""The RL binary: GRPO, PPO or DAPO, synchronous or StaleSync, in any single-pr
 
 Overrides: ``--config.rollout.temperature=0.7``; the config is locked, so a typo fails at start naming
 the full path and the closest key. Writes DIR/config.json, DIR/metrics.jsonl, DIR/checkpoints/ and
-DIR/summary.json, and resumes from the newest intact checkpoint in DIR (README: "Failures and resume").
+DIR/summary.json, and resumes from the newest intact checkpoint in DIR (docs/failures.md).
 Errors a user can act on (bad config, refused resume, a workdir in use, divergence, a checkpoint that
 cannot be written) print one line and exit with status 1. SIGTERM / SIGINT finish the step, write a
 checkpoint and exit with status 75 (a second signal exits at once); the same command resumes.

@@ -10,7 +10,7 @@ accuracy, and the overlap measured on the merged timeline (DIR/timeline.jsonl). 
 (training side), DIR/summary.json and DIR/config.json. No checkpoints: resume is not supported here.
 
 On two machines (or two shells), start one process per side yourself with the standard settings
-(README, "Multi-host runs"): the same command with ``--coordinator_address=HOST0:PORT --num_processes=2``
+(docs/multihost.md): the same command with ``--coordinator_address=HOST0:PORT --num_processes=2``
 and ``--process_id=0`` (rollout, on HOST0) or ``--process_id=1`` (training); or the environment variables
 JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID.
 """

@@ -15,7 +15,7 @@ on all runs (labelled as such). Prints per run the measured and predicted step t
 largest held-out error per workload, deployment and predicted schedule; with --sharing_sweep (default) the
 separated deployment's held-out errors under other thread counts of the processor-sharing model (~30 s).
 Writes OUT/validation.md and OUT/validation.json; exits with status 1 when a held-out step time misses by
-more than --tolerance.
+more than --tolerance (unless --nofail_on_miss: experiments/report_main.py reports the miss in its tables).
 
 --cluster: Tables 1 and 2 and the sweep at cluster scale (``sim/tables.py``, every input with its source
 in ``sim/cluster.py``): Table 1 on one 384-device supernode, Table 2 on 1, 2 and 4 supernodes (weak
@@ -42,6 +42,8 @@ _QUICK = flags.DEFINE_bool("quick", False, "Cluster: a smaller workload and fewe
 _SHARING_SWEEP = flags.DEFINE_bool("sharing_sweep", True, "--ablation: also the separated deployment's held-out "
                                    "errors under other processor-sharing thread counts.")
 _TOLERANCE = flags.DEFINE_float("tolerance", 0.15, "Largest held-out step-time error a prediction may have.")
+_FAIL_ON_MISS = flags.DEFINE_bool("fail_on_miss", True, "Exit with status 1 when a held-out step time misses by "
+                                  "more than --tolerance (--nofail_on_miss: the tables still say which miss).")
 flags.mark_flags_as_required(["out"])
 
 SHARING_ALTERNATIVES = ((1, 2, 1), (1, 1, 1), (2, 2, 1), (1, 2, 2))   # threads: generation, update, push
@@ -125,7 +127,7 @@ def main(argv):
   failed = validation() if _ABLATION.value else False
   if _CLUSTER.value:
     cluster_tables()
-  if failed:
+  if failed and _FAIL_ON_MISS.value:
     sys.exit(1)
 
 

@@ -35,7 +35,15 @@ over the synchronous run's RL seconds.
 Writes WORKDIR/staleness.json (per run: the held-out greedy accuracy at every evaluation, the trained
 samples and the RL wall-clock seconds there, the measured staleness), WORKDIR/staleness.md (final
 accuracy per arm, mean +- standard deviation across seeds, min..max) and
-WORKDIR/staleness_{samples,wallclock}.png (mean over seeds with a min..max band). ``--quick``: GRPO only,
+WORKDIR/staleness_{samples,wallclock}.png (mean over seeds with a min..max band), and
+WORKDIR/staleness_export.json: every run's per-step metrics that the table and figures read (step, step_s,
+train_samples, the held-out accuracy, token staleness, the behaviour IS weight std, the reward) with the
+machine it was made on (recorded when it was made: RUN/machine.json), compact enough to commit under
+results/ (experiments/report_main.py copies it to results/staleness/export.json).
+
+  python experiments/staleness_main.py --from_export=results/staleness/export.json --workdir=/tmp/st_r
+
+re-renders the table and the figures from such an export without running anything. ``--quick``: GRPO only,
 sync and s = 1 both ways, one seed, the model at half depth and width (``common.QUICK_MODEL``), a
 100-step warm-up, 4 RL steps, 32 held-out problems (a check
 that the pipeline works, not a result).
@@ -45,6 +53,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 
 from absl import app, flags
@@ -70,6 +79,8 @@ _TASK = flags.DEFINE_enum("task", "arithmetic", ["arithmetic", "arithmetic_steps
                           "a long tail; GRPO only).")
 _CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/rl_fusion_jax/jax_cache",
                              "Persistent XLA compilation cache of the runs ('' disables).")
+_FROM_EXPORT = flags.DEFINE_string("from_export", "", "A staleness_export.json (e.g. results/staleness/export.json): "
+                                   "the table and figures from it, no runs.")
 flags.mark_flags_as_required(["workdir"])
 
 ALGOS = {"grpo": "", "ppo": "ppo"}
@@ -116,9 +127,40 @@ def run_one(root: str, hf: str, algo: str, arm: str, overrides: tuple[str, ...],
           f"--config.run.eval_every={s['eval_every']}", f"--config.task.eval_problems={s['eval_problems']}",
           "--config.task.eval_samples=0", "--config.run.checkpoint_every=0"]
   args += [f"--config.{o}" for o in overrides] + list(common.QUICK_MODEL if _QUICK.value else ())
+  machine = machine_record()
   seconds = common.run_binary("grpo_main.py", [f"--compilation_cache={_CACHE.value}"] + args, workdir + ".log")
+  with open(os.path.join(workdir, "machine.json"), "w") as f:
+    json.dump(machine | {"load_avg_1m_after": round(os.getloadavg()[0], 2), "run_seconds": round(seconds, 1)},
+              f, indent=1)
   print(f"  {algo} {arm} seed {seed}: {seconds:.0f} s", flush=True)
   return workdir
+
+
+def machine_record() -> dict:
+  """The machine as a run is made on it (RUN/machine.json, exported with the run's metrics): CPU model,
+  cores (all, and usable by this process), the 1-minute load average, OS, Python and the commit.
+  (experiments/ablation_main.py records the same.)"""
+  import platform  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  model = ""
+  try:
+    with open("/proc/cpuinfo") as f:
+      model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+  except OSError:
+    pass
+  try:
+    usable = len(os.sched_getaffinity(0))
+  except AttributeError:   # not Linux
+    usable = os.cpu_count()
+  try:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
+                            timeout=10, check=False).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    commit = ""
+  return {"cpu_model": model or platform.processor() or "unknown", "cpu_count": os.cpu_count(),
+          "usable_cores": usable, "load_avg_1m": round(os.getloadavg()[0], 2),
+          "system": f"{platform.system()} {platform.release()} {platform.machine()}",
+          "python": platform.python_version(), "commit": commit, "unix_time": round(time.time(), 1)}
 
 
 def task_variant() -> str:
@@ -152,14 +194,29 @@ def time_to_sync_accuracy(results: dict) -> str:
   return "\n".join(lines)
 
 
-def read_run(workdir: str) -> dict:
-  """Held-out accuracy at each evaluation with the samples trained and RL seconds so far."""
+# What read_run reads of a run's metrics: the export keeps these, per step.
+EXPORTED = ("step_s", "train_samples", "eval/accuracy", "stalesync/trained_token_staleness_mean",
+            "stalesync/staleness_max", "is_weight_std", "reward")
+
+
+def run_rows(workdir: str) -> dict[int, dict]:
+  """step -> the run's metrics of that step (the lines of one step merged)."""
   rows = {}
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     for line in f:
       if line.strip():
         r = json.loads(line)
         rows.setdefault(r["step"], {}).update(r)
+  return rows
+
+
+def read_run(workdir: str) -> dict:
+  """Held-out accuracy at each evaluation with the samples trained and RL seconds so far."""
+  return summarize_rows(run_rows(workdir))
+
+
+def summarize_rows(rows: dict[int, dict]) -> dict:
+  """``read_run`` of a run's merged per-step metrics (from its workdir or from an export)."""
   points, seconds, samples = [], 0.0, 0
   for step in sorted(rows):
     r = rows[step]
@@ -174,6 +231,25 @@ def read_run(workdir: str) -> dict:
           "staleness_max": max((float(r.get("stalesync/staleness_max", 0.0)) for r in steps), default=0.0),
           "is_weight_std": statistics.fmean(float(r.get("is_weight_std", 0.0)) for r in steps) if steps else 0.0,
           "rl_seconds": seconds}
+
+
+def export_run(workdir: str) -> dict:
+  """A run's per-step metrics that ``summarize_rows`` reads (EXPORTED, as columns over its steps; None
+  where a step has none) and its machine record (None: not recorded)."""
+  rows = run_rows(workdir)
+  steps = sorted(rows)
+  columns = {k: [rows[st].get(k) for st in steps] for k in EXPORTED}
+  machine = None
+  if os.path.isfile(os.path.join(workdir, "machine.json")):
+    with open(os.path.join(workdir, "machine.json")) as f:
+      machine = json.load(f)
+  return {"steps": steps, "columns": {k: v for k, v in columns.items() if any(x is not None for x in v)},
+          "machine": machine}
+
+
+def rows_from_export(run: dict) -> dict[int, dict]:
+  return {st: {k: col[i] for k, col in run["columns"].items() if col[i] is not None}
+          for i, st in enumerate(run["steps"])}
 
 
 def table(results: dict) -> str:
@@ -220,11 +296,41 @@ def plot(results: dict, x_key: str, xlabel: str, out: str) -> None:
   plt.close(fig)
 
 
+def render(root: str, results: dict) -> str:
+  """WORKDIR/staleness.md and the figures from the per-arm results; returns the markdown."""
+  md = table(results) + "\n\n" + time_to_sync_accuracy(results)
+  plot(results, "samples", "samples trained", os.path.join(root, "staleness_samples.png"))
+  plot(results, "seconds", "RL seconds (sum of step_s from step 2)", os.path.join(root, "staleness_wallclock.png"))
+  with open(os.path.join(root, "staleness.md"), "w") as f:
+    f.write(md + "\n")
+  return md
+
+
+def from_export(root: str, path: str) -> None:
+  """The table, figures and staleness.json from an export (``staleness_export.json``), no runs."""
+  t0 = time.perf_counter()
+  with open(path) as f:
+    export = json.load(f)
+  results: dict[str, dict[str, list]] = {}
+  for run in export["runs"]:
+    results.setdefault(run["algo"], {}).setdefault(run["arm"], []).append(
+        summarize_rows(rows_from_export(run)) | {"seed": run["seed"]})
+  md = render(root, results)
+  with open(os.path.join(root, "staleness.json"), "w") as f:
+    json.dump({"settings": export["settings"], "results": results, "seconds": time.perf_counter() - t0,
+               "runs_seconds": export.get("runs_seconds"), "command": export.get("command"),
+               "from_export": path, "machines": [r.get("machine") for r in export["runs"]]}, f, indent=1)
+  print(md)
+
+
 def main(argv):
   del argv
-  s = settings()
   root = os.path.abspath(_WORKDIR.value)
   os.makedirs(os.path.join(root, "runs"), exist_ok=True)
+  if _FROM_EXPORT.value:
+    from_export(root, _FROM_EXPORT.value)
+    return
+  s = settings()
   t0 = time.perf_counter()
   if task_variant() and any(ALGOS[a] for a in s["algos"]):
     raise app.UsageError("--task=arithmetic_steps runs GRPO only (--algos=grpo)")
@@ -241,6 +347,7 @@ def main(argv):
       raise app.UsageError(f"--arms: unknown {unknown}; known: {sorted(grid)}")
     grid = {k: v for k, v in grid.items() if k in _ARMS.value}
   results: dict[str, dict[str, list]] = {}
+  exported = []
   for seed in s["seeds"]:           # seed-major: a partial grid already has every arm
     for algo in s["algos"]:
       if algo not in ALGOS:
@@ -248,16 +355,21 @@ def main(argv):
       for arm, overrides in grid.items():
         workdir = run_one(root, hf, algo, arm, overrides, seed, s)
         results.setdefault(algo, {}).setdefault(arm, []).append(read_run(workdir) | {"seed": seed})
-  md = table(results) + "\n\n" + time_to_sync_accuracy(results)
-  plot(results, "samples", "samples trained", os.path.join(root, "staleness_samples.png"))
-  plot(results, "seconds", "RL seconds (sum of step_s from step 2)", os.path.join(root, "staleness_wallclock.png"))
-  with open(os.path.join(root, "staleness.md"), "w") as f:
-    f.write(md + "\n")
+        exported.append({"algo": algo, "arm": arm, "seed": seed} | export_run(workdir))
+  md = render(root, results)
+  logs = [os.path.join(root, "warmup_run.log")] + [os.path.join(root, "runs", f"{r['algo']}_{r['arm']}_seed{r['seed']}.log")
+                                                   for r in exported]
+  runs_seconds = sum(common.run_wall_seconds(p) for p in logs)
+  command = " ".join(["python experiments/staleness_main.py"] + sys.argv[1:])
+  settings_ = s | {"task": _TASK.value}
   with open(os.path.join(root, "staleness.json"), "w") as f:
-    logs = [os.path.join(root, "warmup_run.log")] + [
-        os.path.join(root, "runs", n) for n in os.listdir(os.path.join(root, "runs")) if n.endswith(".log")]
-    json.dump({"settings": s | {"task": _TASK.value}, "results": results, "seconds": time.perf_counter() - t0,
-               "runs_seconds": sum(common.run_wall_seconds(p) for p in logs)}, f, indent=1)
+    json.dump({"settings": settings_, "results": results, "seconds": time.perf_counter() - t0,
+               "runs_seconds": runs_seconds, "command": command,
+               "machines": [r["machine"] for r in exported]}, f, indent=1)
+  with open(os.path.join(root, "staleness_export.json"), "w") as f:
+    json.dump({"settings": settings_, "command": command, "runs_seconds": runs_seconds,
+               "metrics": "per run: its steps and, per metric, one value per step (null: none that step)",
+               "runs": exported}, f)
   print(md)
 
 

@@ -161,7 +161,7 @@ class ModelConfig:
   remat: str = "none"
   # 0 (default): every layer unrolled on the CPU backend, 1 elsewhere. On CPU meshes of several devices,
   # XLA:CPU's in-process collectives inside a rolled layer scan deadlocked intermittently (README, Known
-  # limits); tiny CPU models also run faster unrolled.
+  # limits; docs/models.md); tiny CPU models also run faster unrolled.
   scan_unroll: int = 0
   logits_chunk: int = 1024
   # Mixture of experts (Qwen2-MoE / Qwen3-MoE): num_experts=0 is a dense model. Layer i is sparse iff

@@ -1,8 +1,8 @@
 """The precision policies of `ModelConfig.dtype`: 'float32', 'bf16_matmul' and 'bfloat16'.
 
 `mixed_matmul` (the 'bf16_matmul' contraction) is checked against float64 numpy on the bfloat16-rounded
-inputs, forward and backward; the policies against float32 at the tolerance README states; generation
-against the training forward under the same policy.
+inputs, forward and backward; the policies against float32 at the tolerance docs/models.md states
+("Precision policy"); generation against the training forward under the same policy.
 """
 import dataclasses
 
@@ -79,7 +79,7 @@ def test_bf16_matmul_runs_projections_in_bfloat16_and_the_rest_in_float32():
 
 @pytest.mark.parametrize("policy,tolerance", [("bf16_matmul", 5e-3), ("bfloat16", 1e-2)])
 def test_policy_logprobs_within_stated_tolerance_of_float32(policy, tolerance):
-  """README's stated tolerance: token log-probs of a model at its initial scale (std 0.02) within 5e-3
+  """The tolerance docs/models.md states: token log-probs of a model at its initial scale (std 0.02) within 5e-3
   (bf16_matmul) and 1e-2 (bfloat16) of float32."""
   params = models.init_params(CFG, jax.random.key(0), init_std=0.02)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (4, 24)), jnp.int32)

@@ -1,16 +1,20 @@
-"""README.md's commands parse as written.
+"""README.md's and docs/*.md's commands parse as written, and the documents' relative links resolve.
 
-Every ``python experiments/<binary>.py ...`` command of README.md, in its code blocks and in its inline
-code, is parsed by that binary's own flags: the binary runs as ``__main__`` in a process forked for the
-command, with ``absl.app.run`` replaced by a stand-in that parses the command line with the flags the
-binary defined and returns before ``main``. An unknown flag, a bad ``--config.*`` override or a missing
-required flag fails here; with ``--config`` the parsed ConfigDict must convert to the typed config
-(``experiment_from_dict``). Every
-``<config>.py:<variant>`` the README names is parsed the same way, and so are the ``--config.*`` overrides
-a code block gives in a comment ("# or on any config: ..."), on arithmetic.py; every ``--config.<path>`` the
-README mentions anywhere must be a field of a shipped config. The binaries are not run (minutes to an
-hour each); tests/pulse_test.py runs grpo_main.py for 2 steps. Placeholders (DIR, DIR_OUT, RUN_DIR, ...)
-become a folder holding a checkpoint's config.json; ``--config=...`` becomes arithmetic.py.
+Every ``python experiments/<binary>.py ...`` command of README.md and of each docs/*.md page, in its code
+blocks and in its inline code, is parsed by that binary's own flags: the binary runs as ``__main__`` in a
+process forked for the command, with ``absl.app.run`` replaced by a stand-in that parses the command line
+with the flags the binary defined and returns before ``main``. An unknown flag, a bad ``--config.*``
+override or a missing required flag fails here; with ``--config`` the parsed ConfigDict must convert to
+the typed config (``experiment_from_dict``). Every ``<config>.py:<variant>`` the documents name is parsed
+the same way, and so are the ``--config.*`` overrides a code block gives in a comment ("# or on any
+config: ..."), on arithmetic.py; every ``--config.<path>`` the documents mention anywhere must be a field
+of a shipped config. The binaries are not run (minutes to an hour each); tests/readme_run_test.py (slow
+tier) runs them with their steps cut down. Placeholders (DIR, DIR_OUT, RUN_DIR, ...) become a folder
+holding a checkpoint's config.json; ``--config=...`` becomes arithmetic.py.
+
+Links: every relative link (and image) of README.md, docs/*.md, BENCHMARKS.md and RESULTS.md must name an
+existing file or folder, and a ``#anchor`` must name a heading of the .md file it points into, by GitHub's
+anchor rules (``github_anchors``).
 """
 from __future__ import annotations
 
@@ -21,9 +25,15 @@ import runpy
 import shlex
 import subprocess
 import sys
+import urllib.parse
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+# The documents whose commands are checked (README first, then docs/ in name order) ...
+COMMAND_DOCS = [README, *DOCS]
+# ... and those whose links are.
+LINK_DOCS = [*COMMAND_DOCS, ROOT / "BENCHMARKS.md", ROOT / "RESULTS.md"]
 PLACEHOLDER = re.compile(r"\b(?:RUN_DIR|DIR\w*)\b")
 
 # Runs in a fresh interpreter: imports what every command needs once (JAX, through the algorithm
@@ -137,12 +147,24 @@ def _substitute(argv: list[str], ckpt: str) -> list[str]:
   return out
 
 
+def documents_text() -> str:
+  """README.md and docs/*.md, in ``COMMAND_DOCS`` order, as one text."""
+  return "\n".join(path.read_text() for path in COMMAND_DOCS)
+
+
+def documents_commands() -> list[list[str]]:
+  """``readme_commands`` of every document of ``COMMAND_DOCS``, in that order."""
+  return [c for path in COMMAND_DOCS for c in readme_commands(path.read_text())]
+
+
 def test_readme_commands_parse(tmp_path):
-  text = README.read_text()
-  commands, variants, fragments = readme_commands(text), readme_variants(text), readme_fragments(text)
+  text = documents_text()
+  commands, variants, fragments = documents_commands(), readme_variants(text), readme_fragments(text)
   binaries = {c[0] for c in commands}
   assert {"experiments/grpo_main.py", "experiments/separated_main.py",
           "experiments/report_main.py"} <= binaries
+  assert ["experiments/grpo_main.py", "--config=experiments/configs/arithmetic.py",
+          "--workdir=/tmp/rlfj_arithmetic"] in readme_commands(README.read_text())   # Quickstart (a)
   assert len(variants) >= 5 and fragments, (variants, fragments)
   config = json.loads((ROOT / "rl_fusion_jax/testing/hf_fixtures/qwen2_f32/config.json").read_text())
   (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
@@ -171,5 +193,97 @@ def test_every_config_path_the_readme_names_exists():
   known = set()
   for path in (ROOT / "experiments" / "configs").glob("*.py"):
     known |= set(_fields(runpy.run_path(str(path))["get_config"]()))
-  named = set(re.findall(r"--config\.([\w.]*\w)", README.read_text())) - TYPOS
+  named = set(re.findall(r"--config\.([\w.]*\w)", documents_text())) - TYPOS
   assert named and not named - known, sorted(named - known)
+
+
+def test_readme_fits_two_screens():
+  # The README is the pitch, the Quickstart, a map, the features, the results and the limits; the rest
+  # lives in docs/ (one page per subject).
+  assert len(README.read_text().splitlines()) <= 200
+
+
+# ----------------------------------------------------------------------------------------------------
+# Relative links
+# ----------------------------------------------------------------------------------------------------
+_FENCE = re.compile(r"^ {0,3}(```|~~~).*?^ {0,3}\1[^\n]*$", flags=re.S | re.M)
+_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def _prose(text: str) -> str:
+  """``text`` without fenced code blocks and inline code spans (what GitHub renders as markdown)."""
+  return re.sub(r"`+[^`]*`+", "", _FENCE.sub("", text))
+
+
+def markdown_links(text: str) -> list[str]:
+  """The targets of the inline links and images of ``text``, outside code."""
+  return _LINK.findall(_prose(text))
+
+
+def github_anchor(heading: str) -> str:
+  """The anchor GitHub gives a heading's text: the rendered text (code and emphasis markers dropped, a
+  link's text kept) lower-cased, every character but letters, digits, ``_``, ``-`` and spaces removed,
+  each space replaced by ``-``."""
+  text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+  text = re.sub(r"[`*]", "", text).strip().lower()
+  return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def github_anchors(text: str) -> set[str]:
+  """The anchors of ``text``'s ATX headings (``#`` to ``######``, outside fenced code); a repeated anchor
+  gets ``-1``, ``-2``, ... as GitHub numbers them."""
+  seen: dict[str, int] = {}
+  out = set()
+  for line in _FENCE.sub("", text).splitlines():
+    m = re.match(r" {0,3}#{1,6}[ \t]+(.*?)(?:[ \t]+#+)?[ \t]*$", line)
+    if not m:
+      continue
+    anchor = github_anchor(m.group(1))
+    n = seen.get(anchor, 0)
+    seen[anchor] = n + 1
+    out.add(anchor if n == 0 else f"{anchor}-{n}")
+  return out
+
+
+def broken_links(doc: pathlib.Path) -> list[str]:
+  """``doc``'s relative links whose file, or whose ``#anchor`` in a .md file, does not exist."""
+  problems = []
+  for target in markdown_links(doc.read_text()):
+    if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*:", target):   # http:, https:, mailto: ...
+      continue
+    path, _, anchor = target.partition("#")
+    dest = (doc.parent / urllib.parse.unquote(path)).resolve() if path else doc
+    if not dest.exists():
+      problems.append(f"{doc.relative_to(ROOT)}: ({target}): no file {dest}")
+    elif anchor and dest.suffix == ".md" and urllib.parse.unquote(anchor) not in github_anchors(dest.read_text()):
+      problems.append(f"{doc.relative_to(ROOT)}: ({target}): no heading with anchor #{anchor} in "
+                      f"{dest.relative_to(ROOT)}")
+  return problems
+
+
+def test_relative_links_resolve():
+  assert DOCS and all(doc.is_file() for doc in LINK_DOCS), LINK_DOCS
+  assert sum(len(markdown_links(doc.read_text())) for doc in LINK_DOCS) >= 20
+  problems = [p for doc in LINK_DOCS for p in broken_links(doc)]
+  assert not problems, "\n".join(problems)
+
+
+def test_github_anchor_rules():
+  assert github_anchor("The loop, per step") == "the-loop-per-step"
+  assert github_anchor("Against TRL (tiny-grpo) (`experiments/benchmark_vs_trl.py`)") == (
+      "against-trl-tiny-grpo-experimentsbenchmark_vs_trlpy")
+  assert github_anchor("Tables 1 and 2, simulated at cluster scale") == "tables-1-and-2-simulated-at-cluster-scale"
+  assert github_anchor("A **bold** [link](x.md) -- here") == "a-bold-link----here"
+  text = "# T\n\n## Run\n\n```bash\n# not a heading\n```\n\n## Run\n### Run ###\n"
+  assert github_anchors(text) == {"t", "run", "run-1", "run-2"}
+
+
+def test_broken_links_are_reported(tmp_path, monkeypatch):
+  monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+  (tmp_path / "a.md").write_text("# A\n\n## Known limits\n")
+  doc = tmp_path / "b.md"
+  doc.write_text("[ok](a.md#known-limits) [self](#b) [web](https://x.org/y) `[code](missing.md)`\n"
+                 "# B\n[gone](missing.md) [bad anchor](a.md#known-limit) ![img](pic.png)\n")
+  problems = broken_links(doc)
+  assert len(problems) == 3, problems
+  assert "missing.md" in problems[0] and "#known-limit " in problems[1] and "pic.png" in problems[2]

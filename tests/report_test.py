@@ -1,38 +1,93 @@
-"""experiments/report_main.py --quick: every part of the ablation report runs and RESULTS.md is written."""
+"""The ablation report (experiments/report_main.py) and the data it is computed from.
+
+The quick report runs every part and is re-rendered from the data it writes (--from_results); the other
+tests run nothing: the committed Table 1 regenerates from results/runs/ exactly as RESULTS.md prints it,
+RESULTS.md leads with the simulator's held-out validation and says what each table can and cannot show,
+Table 1 leaves compile-contaminated windows out, compiles and machines are read from the runs' records.
+"""
+import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 
 from rl_fusion_jax.testing import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPERIMENTS = os.path.join(ROOT, "experiments")
+RESULTS_MD = os.path.join(ROOT, "RESULTS.md")
 CACHE = os.path.expanduser("~/.cache/rl_fusion_jax_tests")
 
 
-def test_quick_report_regenerates_every_section(tmp_path):
-  results = tmp_path / "RESULTS.md"
-  cmd = [sys.executable, os.path.join(ROOT, "experiments", "report_main.py"), f"--workdir={tmp_path / 'w'}",
-         f"--results={results}", "--quick", f"--compilation_cache={CACHE}"]
-  env = launch.child_env()   # the binaries pick one device per core
-  done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+def _binary(name: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+  done = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, name), *args], capture_output=True, text=True,
+                        timeout=timeout, env=launch.child_env())
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  return done
+
+
+def _call(module: str, code: str, cwd: str = ROOT):
+  """Runs CODE in a fresh interpreter with experiments/MODULE imported as ``m`` (each binary defines its own
+  absl flags, so they are not imported into this process); returns what CODE leaves in ``out``."""
+  script = (f"import json, sys\nsys.path.insert(0, {EXPERIMENTS!r})\nimport {module} as m\nout = None\n{code}\n"
+            "print('OUT=' + json.dumps(out))")
+  done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=cwd)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  return json.loads(done.stdout.split("OUT=")[-1])
+
+
+def _section(text: str, start: str, end: str | None = None) -> str:
+  i = text.index(start)
+  return text[i:text.index(end, i)] if end else text[i:]
+
+
+def _notes_follow_headings(text: str) -> None:
+  """Every '#### ' table heading is followed by its '*Can show*' ... '*Cannot show*' note."""
+  lines = text.splitlines()
+  headings = [i for i, line in enumerate(lines) if line.startswith("#### ")]
+  assert headings
+  for i in headings:
+    following = next(line for line in lines[i + 1:] if line.strip())
+    assert following.startswith("*Can show*") and "*Cannot show*" in following, lines[i]
+
+
+def test_quick_report_regenerates_every_section_and_renders_again_from_its_data(tmp_path):
+  results = tmp_path / "RESULTS.md"
+  _binary("report_main.py", f"--workdir={tmp_path / 'w'}", f"--results={results}", "--quick",
+          f"--compilation_cache={CACHE}")
   text = results.read_text()
-  for heading in ("## Table 1, measured on this machine", "## The simulator, validated against the measured runs",
+  for heading in ("## In short", "## Where every figure comes from", "## Table 1, measured",
+                  "## The simulator, validated against the measured runs",
                   "#### Held out: fitted on one schedule's runs", "#### In-sample: fitted on all runs",
                   "#### Separated deployment: held-out error", "#### Simulated Table 1", "#### Simulated Table 2",
                   "#### What moves Table 2", "#### Cluster inputs and their sources", "## Learning under staleness",
                   "**Quick report**"):
     assert heading in text, heading
-  # The simulator's section leads with the held-out validation; in-sample errors come after, labelled.
-  section = text[text.index("## The simulator, validated"):text.index("## Tables 1 and 2, simulated")]
-  assert section.index("**Held out (cross-schedule)**") < section.index("**In-sample**")
+  # The report leads with the simulator's held-out validation; in-sample errors come after, labelled.
+  short = _section(text, "## In short", "## Where every figure")
+  assert short.index("**The simulator, held out**") < short.index("**In-sample**") < short.index("**Table 1")
+  section = _section(text, "## The simulator, validated", "## Tables 1 and 2, simulated")
+  assert section.index("**Held out (cross-schedule)") < section.index("**In-sample**")
   assert section.index("#### Held out") < section.index("#### In-sample")
   assert "The reference system is" in section and "What it cannot show:" in section
+  _notes_follow_headings(_section(text, "## The simulator, validated", "## Learning under staleness"))
   for variant in ("separated_sync", "separated_stalesync", "colocated_sync", "colocated_stalesync"):
     assert f"| longtail | {variant} |" in text
+  # The machine is the one recorded with the runs (made just now, here), not "not recorded".
   figures = tmp_path / "results"
-  pngs = sorted(p.name for p in figures.iterdir())
+  records = [json.loads(p.read_text()) for p in figures.glob("runs/*/machine.json")]
+  assert len(records) == 4 and all(r["cpu_count"] == os.cpu_count() for r in records)
+  table1_row = next(line for line in text.splitlines() if line.startswith("| measured Table 1 |"))
+  assert f"{os.cpu_count()} CPU cores" in table1_row and records[0]["cpu_model"] in table1_row
+  assert "not recorded" not in table1_row
+  # The quick runs measure their first steps, compiles and all: every run is marked, its compiles logged.
+  ablation = json.loads((tmp_path / "w" / "ablation" / "ablation.json").read_text())
+  for row in ablation["rows"]["longtail"].values():
+    assert row["all_contaminated"] and row["contaminated_runs"] == [True]
+    assert row["compile_window_s_runs"][0] > 0
+  assert "| longtail | colocated_sync |" in text and "†" in _section(text, "## Table 1, measured", "## The simulator")
+  pngs = sorted(p.name for p in figures.iterdir() if p.is_file())
   assert "table1.png" in pngs and "staleness_samples.png" in pngs and "staleness_wallclock.png" in pngs
   assert sum(p.startswith("timeline_longtail_") for p in pngs) == 4
   assert all((figures / p).stat().st_size > 1000 for p in pngs)
@@ -41,3 +96,138 @@ def test_quick_report_regenerates_every_section(tmp_path):
   assert stale["sync"][0]["token_staleness_mean"] == 0.0
   assert 0 < stale["s1_corrected"][0]["token_staleness_mean"] <= 1
   assert [p["samples"] for p in stale["sync"][0]["points"]] == [p["samples"] for p in stale["s1_uncorrected"][0]["points"]]
+  # Rendered again from the data it wrote next to the figures (nothing run): the same tables.
+  again = tmp_path / "RESULTS_again.md"
+  _binary("report_main.py", f"--workdir={tmp_path / 'r'}", f"--results={again}", f"--figures={figures}",
+          "--from_results", f"--sim_from={tmp_path / 'w' / 'sim'}")
+  for part, table in (("ablation", "table1.md"), ("staleness", "staleness.md")):
+    assert (tmp_path / "r" / part / table).read_text() == (tmp_path / "w" / part / table).read_text(), table
+  assert "## Learning under staleness" in again.read_text() and "Absent" not in again.read_text()
+
+
+def test_committed_table1_regenerates_from_results_runs(tmp_path):
+  # RESULTS.md's Table 1 is what ablation_main.py computes from the committed runs, nothing else.
+  _binary("ablation_main.py", f"--from_runs={os.path.join(ROOT, 'results', 'runs', 'ablation.json')}",
+          f"--workdir={tmp_path}", timeout=300)
+  table = (tmp_path / "table1.md").read_text().strip()
+  assert table in open(RESULTS_MD).read()
+  # Runs made before machines were recorded say so; their date comes from their own timelines.
+  ablation = json.loads((tmp_path / "ablation.json").read_text())
+  assert all(m is None for m in ablation["machines"]) and ablation["made_unix_time"]
+  row = next(line for line in open(RESULTS_MD) if line.startswith("| measured Table 1 |"))
+  made = datetime.datetime.fromtimestamp(ablation["made_unix_time"][0], datetime.timezone.utc)
+  assert "not recorded" in row and f"{made:%Y-%m-%d %H:%M}" in row
+
+
+def test_results_md_leads_with_held_out_and_says_what_each_table_shows():
+  text = open(RESULTS_MD).read()
+  short = _section(text, "## In short", "## Where every figure")
+  first = next(line for line in short.splitlines() if line.startswith("* "))
+  assert first.startswith("* **The simulator, held out**"), first
+  # Every in-sample figure is labelled: each percentage after "In-sample" in the lead is in its sentence.
+  assert re.search(r"\*\*In-sample\*\* \(the compared run among those fitted", first)
+  assert text.index("**Held out (cross-schedule)") < text.index("**In-sample** (fitted on all runs")
+  _notes_follow_headings(_section(text, "## The simulator, validated", "## Learning under staleness"))
+  table1 = _section(text, "## Table 1, measured", "## The simulator")
+  assert "*Can show*" in table1 and "*Cannot show*" in table1 and "compile" in table1
+  # The staleness table is there only with its committed data; otherwise the section says so.
+  staleness = _section(text, "## Learning under staleness")
+  export = os.path.join(ROOT, "results", "staleness", "export.json")
+  if os.path.isfile(export):
+    assert "| algorithm | arm |" in staleness and "results/staleness/export.json" in staleness
+  else:
+    assert "**Absent until its runs are made.**" in staleness and "| algorithm | arm |" not in staleness
+    assert "python experiments/staleness_main.py" in staleness
+
+
+def test_table1_leaves_compile_contaminated_runs_out():
+  # Two arithmetic variants in the shape of the runs behind an earlier RESULTS.md, where a compile fell
+  # into both windows of colocated_stalesync (x1.13 against the baseline; x1.74 without the compile).
+  code = r"""
+def run(tok, steady, compile_steps, window_s=None):
+  return {"trained_tokens_per_s": tok, "trained_tokens_per_s_steady": steady, "compile_steps": compile_steps,
+          "compile_window_s": window_s, "wall_s": 2.0, "compile_contaminated": compile_steps > 0 or (window_s or 0) > 0.02,
+          "machine": None, "made_unix_time": 1.0, "step_s": 1.0, "generate_s": 0.1, "train_s": 0.1,
+          "phase_s": {"all": {"train": 0.1}}, "idle_frac": {"all": 0.05}, "decode_steps": 4, "staleness_mean": 0.0,
+          "compile_excess_s": 0.0}
+base = [run(3986, 3986, 0), run(3483, 3483, 0)]
+stale = [run(3269, 6000, 1), run(5208, 6978, 1)]
+mixed = [run(5000, 5000, 0, 0.0), run(2000, 2100, 0, 0.5), run(6000, 6000, 0, 0.01)]
+rows = {"arithmetic": {"separated_sync": m.combine(base), "colocated_stalesync": m.combine(stale),
+                       "colocated_sync": m.combine(mixed)}}
+out = {"rows": rows, "table": m.table(rows)}
+"""
+  out = _call("ablation_main", code)
+  rows, table = out["rows"]["arithmetic"], out["table"]
+  # A row with a clean run: medians over the clean runs only (the 0.5 s compile of 2 s left out).
+  assert rows["colocated_sync"]["trained_tokens_per_s"] == 5500 and rows["colocated_sync"]["runs_used"] == 2
+  assert "5,500 (5,000, 2,000†, 6,000) | 1.47 |" in table
+  # A row with none: kept, marked in the table itself, its ratio also without the compile.
+  assert rows["colocated_stalesync"]["all_contaminated"]
+  assert "4,238 † (3,269†, 5,208†) | 1.13 † (steady 1.74) |" in table
+  assert "1 / not logged (each run)" in table and "0 / 0.50 s" in table
+
+
+def test_compile_events_are_placed_on_the_run_timeline(tmp_path):
+  # A colocated run: its timeline starts at the session's unix time. A separated run: the merged timeline
+  # starts at the earlier side's first phase; the training side's own timeline is aligned on the last update.
+  unix = 1796250000.25
+  stamp = lambda t: datetime.datetime.fromtimestamp(t).strftime("%m%d %H:%M:%S.%f")
+  log = tmp_path / "run.log"
+  log.write_text(
+      f"I{stamp(unix + 1.0)} 1 common.py:127] JAX on cpu\n"
+      f"W{stamp(unix + 12.0)} 1 dispatch.py:204] Finished tracing packed_rl_step for jit in 0.5 sec\n"
+      f"W{stamp(unix + 15.0)} 2 dispatch.py:204] Finished XLA compilation of jit(packed_rl_step) in 2.5 sec\n"
+      f"W{stamp(unix + 15.2)} 2 pxla.py:712] Compiling jit(x) with global shapes and types (f32[3],).\n")
+  colo = tmp_path / "colo"
+  colo.mkdir()
+  phase = lambda name, group, step, a, b: json.dumps({"kind": "phase", "name": name, "group": group, "step": step,
+                                                      "start": a, "end": b})
+  (colo / "timeline.jsonl").write_text("\n".join([
+      json.dumps({"kind": "session", "start": 0.0, "unix_time": unix}),
+      json.dumps({"kind": "group", "name": "all", "devices": [0]}), phase("train", "all", 0, 10.0, 16.0)]) + "\n")
+  sep = tmp_path / "sep"
+  sep.mkdir()
+  (sep / "timeline.jsonl").write_text("\n".join([   # merged: written at the end, its origin 3 s after ...
+      json.dumps({"kind": "session", "start": 0.0, "unix_time": unix + 99.0}),
+      json.dumps({"kind": "group", "name": "train", "devices": [1]}), phase("train", "train", 0, 7.0, 13.0)]) + "\n")
+  (sep / "timeline_train.jsonl").write_text("\n".join([   # ... the training side's session start
+      json.dumps({"kind": "session", "start": 0.0, "unix_time": unix - 3.0}),
+      json.dumps({"kind": "group", "name": "train", "devices": [1]}), phase("train", "train", 0, 13.0, 19.0)]) + "\n")
+  code = f"""
+out = {{}}
+for name in ("colo", "sep"):
+  d = {str(tmp_path)!r} + "/" + name
+  offset = m.timeline_unix_offset(d)
+  events = m.compile_events({str(log)!r}, offset)
+  out[name] = {{"offset": offset, "events": events, "covered": m._covered([(a, b) for a, b, *_ in events], 12.0, 14.0)}}
+"""
+  out = _call("ablation_main", code)
+  assert out["colo"]["offset"] == unix and out["sep"]["offset"] == unix + 3.0
+  assert out["colo"]["events"] == [[11.5, 12.0, "trace", "packed_rl_step for jit"],
+                                   [12.5, 15.0, "compile", "jit(packed_rl_step)"]]
+  assert [e[:2] for e in out["sep"]["events"]] == [[8.5, 9.0], [9.5, 12.0]]
+  assert abs(out["colo"]["covered"] - 1.5) < 1e-6    # [12.5, 14] of the window [12, 14]
+
+
+def test_staleness_export_reads_back_as_the_runs(tmp_path):
+  # What report_main commits (staleness/export.json) gives staleness_main's figures exactly as the run folders.
+  run = tmp_path / "grpo_s1_corrected_seed0"
+  run.mkdir()
+  rows = [{"step": 0, "eval/accuracy": 0.25}]
+  for step in range(1, 5):
+    rows.append({"step": step, "step_s": 0.3 + step / 7, "train_samples": 128, "is_weight_std": 0.01 * step,
+                 "stalesync/trained_token_staleness_mean": 0.5, "stalesync/staleness_max": 1.0, "reward": 0.1,
+                 "loss": 1.0})
+    if step % 2 == 0:
+      rows.append({"step": step, "eval/accuracy": 0.25 + step / 512})
+  (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  (run / "machine.json").write_text(json.dumps({"cpu_model": "X", "cpu_count": 2}))
+  code = f"""
+e = json.loads(json.dumps(m.export_run({str(run)!r})))
+out = {{"same": m.summarize_rows(m.rows_from_export(e)) == m.read_run({str(run)!r}), "export": e}}
+"""
+  out = _call("staleness_main", code)
+  assert out["same"]
+  assert "loss" not in out["export"]["columns"] and out["export"]["machine"]["cpu_model"] == "X"
+  assert out["export"]["columns"]["eval/accuracy"] == [0.25, None, 0.25 + 2 / 512, None, 0.25 + 4 / 512]

@@ -9,11 +9,11 @@ Recipe: a 4-layer model (hidden 128, char tokenizer, bf16_matmul) warmed up with
 samples at temperature 1, lr 1e-4). Evaluated on 512 held-out problems before RL, every 100 steps and at
 the end: greedy accuracy, and pass@1 / pass@8 over 8 samples per problem at temperature 1.
 
-Runtime: 158 s on a 2-core AMD EPYC with a warm compilation cache. Expected result (that machine,
-run.seed 0):
+Runtime: 158 s on a 2-core AMD EPYC with AVX-512 with a warm compilation cache (machine C of
+BENCHMARKS.md), where it printed
   accuracy before RL: 0.760  after RL: 0.900  pass@1 0.647 -> 0.798  pass@8 0.939 -> 0.980  (300 RL steps)
-Other machines give other float results (a 2-core Intel Xeon printed 0.596 -> 0.830 with the code before
-the scanned layers); README ("Quickstart", "The main job") has both and the seed-to-seed spread.
+Other machines give other float results and so another warmed-up policy: a 2-core AMD EPYC without
+AVX-512 prints 0.385 -> 0.471 with the same code (docs/main_job.md: the seed spread and the curves).
 
 Variants in this file: ``--config=...arithmetic.py:ppo`` (PPO: a critic initialised from the warmed-up
 policy and GAE, gamma = lambda = 1), ``:dapo`` (dynamic sampling, clip-higher 0.28, soft overlong

@@ -10,7 +10,7 @@ expression that uses each given number exactly once and 1.0 when it also hits th
 Runtime: 418 s on a 2-core Intel Xeon, beside another run of the same size. Expected result (that
 machine, run.seed 0):
   accuracy before RL: 0.324  after RL: 0.445  pass@1 0.205 -> 0.390  pass@8 0.660 -> 0.662  (300 RL steps)
-with the format rate 0.750 -> 0.912 (README "Tasks"; BENCHMARKS.md "Countdown").
+with the format rate 0.750 -> 0.912 (docs/configs.md "Tasks"; BENCHMARKS.md "Countdown").
 """
 import os
 import runpy

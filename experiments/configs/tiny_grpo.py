@@ -1,7 +1,7 @@
 r"""tiny-grpo: the benchmark configuration (a random-init Qwen2-style model; speed, not learning).
 
 Qwen2-style: vocab 512, hidden 256, 4 layers, 4 heads, 2 KV heads, MLP 688, float32 weights, the
-bf16_matmul precision policy (README, "Precision policy"; `--config.model.dtype=float32` for the exact
+bf16_matmul precision policy (docs/models.md, "Precision policy"; `--config.model.dtype=float32` for the exact
 path); 16 prompts x 8 samples, prompts padded to 16 tokens, 32 new tokens, temperature 1, one Adam update
 per batch.
 

@@ -17,7 +17,7 @@ The workdir is held by one run at a time (``workdir_lock``), taken after the con
 the workdir is read. SIGTERM / SIGINT (``preemption``) end the warm-up or RL step in progress, then a
 checkpoint is written and ``errors.Preempted`` raised; a second signal ends the process at once.
 
-Of several processes (README, "Multi-host runs") every process runs all of this on its own devices:
+Of several processes (docs/multihost.md) every process runs all of this on its own devices:
 process 0 alone writes the workdir's files (``distributed.on_writer``; checkpoints are collective),
 each step's metrics are reduced across processes (``processes.reduce_metrics``) and the other processes'
 timeline phases are gathered into process 0's file (``ProcessTimeline.gather``).

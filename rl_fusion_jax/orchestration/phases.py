@@ -321,8 +321,10 @@ def several_updates(setup: Setup, programs: Programs, state, step: int, num_samp
   it into equal mini-batches (each in sample order); ``select(indices)`` builds a mini-batch on the
   devices (it carries the proximal log-probs), ``update`` takes it. The updates leave the policy version
   alone; it advances by one after the last. Metrics: every update metric averaged over the updates (the
-  divergence guard's ``nonfinite``: the first non-zero code), and per epoch ``ppo/epoch{e}/clip_frac`` and
-  ``ppo/epoch{e}/kl_proximal`` (KL to the proximal policy, k3 per token).
+  divergence guard's ``nonfinite``: the first non-zero code), and per epoch ``ppo/epoch{e}/clip_frac``,
+  ``ppo/epoch{e}/kl_proximal`` (KL to the proximal policy, k3 per token) and ``ppo/epoch{e}/loss`` (the
+  loss each update computed before it stepped: with one mini-batch, epoch e + 1's is the same batch's loss
+  after epoch e's update, lower when the update improved the objective).
   """
   a = setup.cfg.algo
   outs = []
@@ -338,7 +340,7 @@ def several_updates(setup: Setup, programs: Programs, state, step: int, num_samp
   metrics["nonfinite"] = next((float(m["nonfinite"]) for m in fetched if float(m["nonfinite"])), 0.0)
   for epoch in range(a.ppo_epochs):
     ms = [m for (e, _), m in zip(outs, fetched) if e == epoch]
-    for key in ("clip_frac", "kl_proximal"):
+    for key in ("clip_frac", "kl_proximal", "loss"):
       metrics[f"ppo/epoch{epoch}/{key}"] = float(np.mean([float(m[key]) for m in ms]))
   return state, metrics
 

@@ -6,7 +6,7 @@ propagates them inside, so model code needs no per-op ``out_sharding``. Nothing 
 ``stage`` is the pipeline axis (``sharding/pipeline.py``): training splits the stacked layers over it and
 sends activations from stage to stage, so a batch is split over (data, fsdp) and every stage sees all of
 its rows. Generation has no stages (``GENERATE_RULES`` gives every device all layers) and runs the same
-rows on each stage: with stage > 1 its work is repeated ``stage`` times (README, pipeline parallelism).
+rows on each stage: with stage > 1 its work is repeated ``stage`` times (docs/moe_pipeline.md, "Pipeline parallelism").
 With stage = 1 the axis has size 1 and no sharding names it.
 """
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Starting an experiment binary as several local processes joined by ``jax.distributed`` (tests, benchmarks).
 
-``start`` runs ``experiments/<binary>`` once per process with the standard settings (README, "Multi-host
-runs"): the same command line plus ``--coordinator_address=127.0.0.1:PORT --num_processes=N
---process_id=i``, each process with ``devices`` virtual CPU devices. Output goes to files, never pipes:
-a process blocked on a full pipe would stall the others inside a collective.
+``start`` runs ``experiments/<binary>`` once per process with the standard settings (docs/multihost.md):
+the same command line plus ``--coordinator_address=127.0.0.1:PORT --num_processes=N --process_id=i``,
+each process with ``devices`` virtual CPU devices. Output goes to files, never pipes: a process blocked
+on a full pipe would stall the others inside a collective.
 """
 from __future__ import annotations
 
