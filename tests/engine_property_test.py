@@ -110,4 +110,6 @@ def test_every_request_returns_once_complete_and_unchanged(sc):
       assert (versions[:p] == -1).all() and (versions[p + n:] == -1).all()
       live = versions[p:p + n] - 100          # the run index that produced each token
       assert (np.diff(live) >= 0).all() and live[0] >= added_in_run[i] and live[-1] <= run_index
-      np.testing.assert_allclose(ro.logp_bt[b, p:p + n], ref.logp_bt[i, p:p + n], atol=2e-5)
+      # Other programs (row counts, cache layouts) sum in other orders: float32 log-probs of about -1 to
+      # -4 agree to ~1e-5, and up to 2.04e-5 with the tests' LLVM level 0 (tests/conftest.py).
+      np.testing.assert_allclose(ro.logp_bt[b, p:p + n], ref.logp_bt[i, p:p + n], atol=5e-5)
