@@ -38,6 +38,9 @@ NOT_RUN = {
     "--config=...": "any config under srun: the grpo_main.py commands run here",
     "report_main.py --workdir=/tmp/report --results": "the full report (~50 min); its --quick shape runs here",
     "report_main.py --workdir=/tmp/report_q --quick": "tests/report_test.py runs it",
+    "report_main.py --from_results": "renders RESULTS.md from results/ (~7 min, the simulator's cluster tables "
+                                     "included); tests/report_test.py renders its quick report's data the "
+                                     "same way and checks RESULTS.md's Table 1 against results/runs",
     "simulate_main.py --ablation=results/runs/ablation.json": "exits with status 1 as written (by design: the "
                                                              "worst held-out error on the committed runs, 16.1%, "
                                                              "exceeds the default --tolerance of 15%); "
