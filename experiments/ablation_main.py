@@ -47,10 +47,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import re
 import statistics
-import subprocess
 import sys
 import time
 
@@ -111,41 +109,13 @@ def workload_flags(name: str, warmup_hf: str) -> list[str]:
   raise app.UsageError(f"--workloads: unknown {name!r}; known: longtail, arithmetic")
 
 
-def machine_record() -> dict:
-  """The machine as a run is made on it (written next to the run, read by the report): CPU model, cores
-  (all, and usable by this process), the 1-minute load average, OS, Python and the commit checked out."""
-  model = ""
-  try:
-    with open("/proc/cpuinfo") as f:
-      model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-  except OSError:
-    pass
-  try:
-    usable = len(os.sched_getaffinity(0))
-  except AttributeError:   # not Linux
-    usable = os.cpu_count()
-  try:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                            timeout=10, check=False).stdout.strip()
-  except (OSError, subprocess.SubprocessError):
-    commit = ""
-  return {"cpu_model": model or platform.processor() or "unknown", "cpu_count": os.cpu_count(),
-          "usable_cores": usable, "load_avg_1m": round(os.getloadavg()[0], 2),
-          "system": f"{platform.system()} {platform.release()} {platform.machine()}",
-          "python": platform.python_version(), "commit": commit, "unix_time": round(time.time(), 1)}
-
-
 def run_variant(workload: str, variant: str, workdir: str, warmup_hf: str, warm: int, steps: int) -> float:
   binary, extra = {**VARIANTS, **EXTRA_VARIANTS}[variant]
   args = (workload_flags(workload, warmup_hf) + [f"--workdir={workdir}", f"--compilation_cache={_CACHE.value}",
                                                  f"--config.run.steps={warm + steps}"]
           + list(COMMON) + list(extra) + list(common.QUICK_MODEL if _QUICK.value else ()))
-  machine = machine_record()
-  os.environ["JAX_LOG_COMPILES"] = "1"   # the run's log then times every trace, lowering and compile
-  seconds = common.run_binary(binary, args, workdir + ".log")
-  with open(os.path.join(workdir, "machine.json"), "w") as f:
-    json.dump(machine | {"load_avg_1m_after": round(os.getloadavg()[0], 2), "run_seconds": round(seconds, 1)},
-              f, indent=1)
+  # JAX_LOG_COMPILES: the run's log times every trace, lowering and compile.
+  seconds = common.run_recorded(binary, args, workdir, env={"JAX_LOG_COMPILES": "1"})
   write_compiles(workdir, workdir + ".log")
   return seconds
 

@@ -145,15 +145,17 @@ def summary_line(summary: dict) -> str:
   return "  ".join(parts)
 
 
-def run_binary(binary: str, args: list[str], log_path: str) -> float:
-  """Runs ``experiments/<binary>`` in a fresh process with ``args`` (its output to ``log_path``);
-  returns its wall seconds; raises RuntimeError with the log's tail when it fails."""
+def run_binary(binary: str, args: list[str], log_path: str, env: dict[str, str] | None = None) -> float:
+  """Runs ``experiments/<binary>`` in a fresh process with ``args`` (its output to ``log_path``; ``env``:
+  variables added to this process's environment); returns its wall seconds; raises RuntimeError with the
+  log's tail when it fails."""
   import subprocess  # pylint: disable=g-import-not-at-top
   import time  # pylint: disable=g-import-not-at-top
   cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), binary)] + list(args)
   t0 = time.perf_counter()
   with open(log_path, "w") as log:
-    done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False)
+    done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False,
+                          env={**os.environ, **env} if env else None)
   if done.returncode:
     with open(log_path) as log:
       raise RuntimeError(f"{' '.join(cmd)} failed (status {done.returncode}):\n{log.read()[-3000:]}")
@@ -206,3 +208,44 @@ def run_wall_seconds(log_path: str) -> float:
     return 0.0
   (d0, t0), (d1, t1) = times[0], times[-1]
   return t1 - t0 + (86400.0 if d1 != d0 else 0.0)
+
+
+def machine_record() -> dict:
+  """The machine as a run is made on it (written beside the run as RUN/machine.json by ablation_main.py and
+  staleness_main.py, read by the report): CPU model, cores (all, and usable by this process), the 1-minute
+  load average, OS, Python and the commit checked out."""
+  import platform  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  model = ""
+  try:
+    with open("/proc/cpuinfo") as f:
+      model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+  except OSError:
+    pass
+  try:
+    usable = len(os.sched_getaffinity(0))
+  except AttributeError:   # not Linux
+    usable = os.cpu_count()
+  try:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                            capture_output=True, text=True, timeout=10, check=False).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    commit = ""
+  return {"cpu_model": model or platform.processor() or "unknown", "cpu_count": os.cpu_count(),
+          "usable_cores": usable, "load_avg_1m": round(os.getloadavg()[0], 2),
+          "system": f"{platform.system()} {platform.release()} {platform.machine()}",
+          "python": platform.python_version(), "commit": commit, "unix_time": round(time.time(), 1)}
+
+
+def run_recorded(binary: str, args: list[str], workdir: str, env: dict[str, str] | None = None) -> float:
+  """``run_binary`` of a run into ``workdir`` (log: ``workdir + '.log'``) that also writes
+  WORKDIR/machine.json: ``machine_record()`` as the run starts, the load average as it ends and its
+  seconds. Returns the seconds."""
+  import json  # pylint: disable=g-import-not-at-top
+  machine = machine_record()
+  seconds = run_binary(binary, args, workdir + ".log", env)
+  with open(os.path.join(workdir, "machine.json"), "w") as f:
+    json.dump(machine | {"load_avg_1m_after": round(os.getloadavg()[0], 2), "run_seconds": round(seconds, 1)},
+              f, indent=1)
+  return seconds

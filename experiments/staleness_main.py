@@ -127,40 +127,9 @@ def run_one(root: str, hf: str, algo: str, arm: str, overrides: tuple[str, ...],
           f"--config.run.eval_every={s['eval_every']}", f"--config.task.eval_problems={s['eval_problems']}",
           "--config.task.eval_samples=0", "--config.run.checkpoint_every=0"]
   args += [f"--config.{o}" for o in overrides] + list(common.QUICK_MODEL if _QUICK.value else ())
-  machine = machine_record()
-  seconds = common.run_binary("grpo_main.py", [f"--compilation_cache={_CACHE.value}"] + args, workdir + ".log")
-  with open(os.path.join(workdir, "machine.json"), "w") as f:
-    json.dump(machine | {"load_avg_1m_after": round(os.getloadavg()[0], 2), "run_seconds": round(seconds, 1)},
-              f, indent=1)
+  seconds = common.run_recorded("grpo_main.py", [f"--compilation_cache={_CACHE.value}"] + args, workdir)
   print(f"  {algo} {arm} seed {seed}: {seconds:.0f} s", flush=True)
   return workdir
-
-
-def machine_record() -> dict:
-  """The machine as a run is made on it (RUN/machine.json, exported with the run's metrics): CPU model,
-  cores (all, and usable by this process), the 1-minute load average, OS, Python and the commit.
-  (experiments/ablation_main.py records the same.)"""
-  import platform  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
-  model = ""
-  try:
-    with open("/proc/cpuinfo") as f:
-      model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-  except OSError:
-    pass
-  try:
-    usable = len(os.sched_getaffinity(0))
-  except AttributeError:   # not Linux
-    usable = os.cpu_count()
-  try:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                            timeout=10, check=False).stdout.strip()
-  except (OSError, subprocess.SubprocessError):
-    commit = ""
-  return {"cpu_model": model or platform.processor() or "unknown", "cpu_count": os.cpu_count(),
-          "usable_cores": usable, "load_avg_1m": round(os.getloadavg()[0], 2),
-          "system": f"{platform.system()} {platform.release()} {platform.machine()}",
-          "python": platform.python_version(), "commit": commit, "unix_time": round(time.time(), 1)}
 
 
 def task_variant() -> str:
