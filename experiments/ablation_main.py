@@ -13,8 +13,11 @@ trains --warm_steps + --steps updates of 16 prompts x 8 samples; same engine: 12
     rollout and training overlap;
   * ``colocated_sync``: experiments/grpo_main.py, RL Fusion: both phases on all devices, the phase
     switch between them, the synchronous loop;
-  * ``colocated_stalesync``: RL Fusion + StaleSync, s = 1, train_fraction 0.5 (32 groups outstanding,
-    long tails continue in the next phase).
+  * ``colocated_stalesync``: RL Fusion + StaleSync, s = 2, train_fraction 0.5 (32 groups outstanding,
+    long tails continue in the next phases), ``rollout.keep_cache`` (carried samples keep their KV cache
+    across the update: no re-prefill). With s = 1 a sample must finish within two phases, so a phase
+    lasts at least about half the longest response; ``colocated_stalesync_s1`` (``--variants``) is that
+    setting.
 Workloads: ``longtail`` (experiments/configs/stalesync_longtail.py: the main job's model shape, random
 init, response lengths forced to a clipped log-normal, median 8, up to 64 tokens, the same lengths for
 the same sample in every variant) and ``arithmetic`` (the main job's task and warmed-up policy, exported
@@ -87,14 +90,14 @@ VARIANTS = {   # name -> (binary, flags)
     "separated_sync": ("separated_main.py", _stalesync(0, 1.0) + SEPARATED),
     "separated_stalesync": ("separated_main.py", _stalesync(1, 1.0) + SEPARATED),
     "colocated_sync": ("grpo_main.py", ()),
-    "colocated_stalesync": ("grpo_main.py", _stalesync(1, 0.5)),
+    "colocated_stalesync": ("grpo_main.py", _stalesync(2, 0.5) + ("--config.rollout.keep_cache=True",)),
 }
-# Selectable with --variants only (not in the default table): the staleness bound and the kept KV cache.
+# Selectable with --variants only (not in the default table): the staleness bound, with and without the
+# kept KV cache.
 EXTRA_VARIANTS = {
-    "colocated_stalesync_keep_cache": ("grpo_main.py", _stalesync(1, 0.5) + ("--config.rollout.keep_cache=True",)),
-    **{f"colocated_stalesync_s{s}": ("grpo_main.py", _stalesync(s, 0.5)) for s in (2, 3, 4)},
+    **{f"colocated_stalesync_s{s}": ("grpo_main.py", _stalesync(s, 0.5)) for s in (1, 2, 3, 4)},
     **{f"colocated_stalesync_s{s}_keep_cache": ("grpo_main.py", _stalesync(s, 0.5) + ("--config.rollout.keep_cache=True",))
-       for s in (2, 3, 4)},
+       for s in (1, 3, 4)},
 }
 COMMON = ("--config.rollout.num_slots=128", "--config.algo.policy_loss=decoupled_ppo",
           "--config.run.checkpoint_every=0", "--config.run.eval_every=0")

@@ -213,7 +213,7 @@ def run_wall_seconds(log_path: str) -> float:
 def machine_record() -> dict:
   """The machine as a run is made on it (written beside the run as RUN/machine.json by ablation_main.py and
   staleness_main.py, read by the report): CPU model, cores (all, and usable by this process), the 1-minute
-  load average, OS, Python and the commit checked out."""
+  load average, OS, Python and the commit checked out (``+modified`` when tracked files differ from it)."""
   import platform  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import time  # pylint: disable=g-import-not-at-top
@@ -227,9 +227,14 @@ def machine_record() -> dict:
     usable = len(os.sched_getaffinity(0))
   except AttributeError:   # not Linux
     usable = os.cpu_count()
+  here = os.path.dirname(os.path.abspath(__file__))
   try:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
-                            capture_output=True, text=True, timeout=10, check=False).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10,
+                            check=False).stdout.strip()
+    # Tracked files changed since that commit: the run is of a working tree, not of the commit alone.
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                           capture_output=True, text=True, timeout=10, check=False).stdout.strip()
+    commit += "+modified" if commit and dirty else ""
   except (OSError, subprocess.SubprocessError):
     commit = ""
   return {"cpu_model": model or platform.processor() or "unknown", "cpu_count": os.cpu_count(),

@@ -15,7 +15,9 @@ Writes --results (default WORKDIR/RESULTS.md) and, in --figures (default results
 and the data every table is computed from: runs/ (what Table 1 and the simulator read of each measured
 run, with the machine it was made on and its logged compiles; runs/ablation.json lists them;
 tests/sim_test.py validates the simulator against them) and staleness/export.json (every staleness run's
-per-step metrics and machine). --from_results runs nothing and reads that data back: Table 1 by
+per-step metrics and machine). When --figures holds staleness_steps/export.json (the export of
+``staleness_main.py --task=arithmetic_steps``, committed by hand: the report never makes those runs), its
+table and curves are rendered into their own section. --from_results runs nothing and reads that data back: Table 1 by
 ``ablation_main.py --from_runs``, the staleness table by ``staleness_main.py --from_export`` (the section
 says plainly that the table is absent when no export is there), and the simulator recomputed from runs/
 and its stated inputs. --sim_from=DIR takes the simulator's outputs from DIR (made by the simulate command
@@ -65,6 +67,9 @@ flags.mark_flags_as_required(["workdir"])
 
 RUNS_MANIFEST = os.path.join("runs", "ablation.json")
 STALENESS_EXPORT = os.path.join("staleness", "export.json")
+# The StaleSync-to-the-same-accuracy study on arithmetic_steps (staleness_main.py --task=arithmetic_steps):
+# rendered from its committed export when there is one; the report never makes these runs.
+STEPS_EXPORT = os.path.join("staleness_steps", "export.json")
 SIM_OUTPUTS = ("validation.json", "validation.md", "cluster.json", "cluster.md")
 
 
@@ -143,7 +148,8 @@ def machines_line(records: list) -> str:
   loads = [r["load_avg_1m"] for r in known if r.get("load_avg_1m") is not None]
   if loads:
     out += f", 1-minute load average {min(loads):.1f}-{max(loads):.1f} as the runs started"
-  commits = sorted({r["commit"][:9] for r in known if r.get("commit")})
+  commits = sorted({r["commit"][:9] + ("+modified" if r["commit"].endswith("+modified") else "")
+                    for r in known if r.get("commit")})
   if commits:
     out += ", commit " + ", ".join(commits)
   if len(known) < len(records):
@@ -253,6 +259,31 @@ def staleness_findings(results: dict) -> list[str]:
     out.append(f"* {algo}: sync {statistics.fmean(sync):.3f} (std {spread:.3f} over {len(sync)} seeds); "
                "final accuracy minus sync's, in points: " + ", ".join(parts) + ".")
   return out
+
+
+def steps_short(stale: dict) -> str:
+  """Per StaleSync arm of a staleness study: its median step against sync's and the RL seconds it took to
+  reach the sync run's final accuracy over sync's (``time_to_sync`` of staleness.json: mean over the seeds
+  that got there), next to the sync run's own ratio."""
+  import statistics  # pylint: disable=g-import-not-at-top
+  out = []
+  for algo, by_arm in stale["results"].items():
+    if "sync" not in by_arm:
+      continue
+    def to_goal(arm):
+      ratios = stale["time_to_sync"][algo][arm]
+      got = [x for x in ratios if x is not None]
+      return (f"{statistics.fmean(got):.2f}" if got else "-") + f" ({len(got)}/{len(ratios)} seeds)"
+    step = lambda runs: (statistics.fmean(r["median_step_s"] for r in runs)
+                         if all(r.get("median_step_s") for r in runs) else None)
+    base = step(by_arm["sync"])
+    parts = [f"sync itself {to_goal('sync')}"]
+    for arm, runs in by_arm.items():
+      if arm != "sync":
+        ratio = f"median step x{step(runs) / base:.2f} sync's, " if base and step(runs) else ""
+        parts.append(f"{arm}: {ratio}to sync's final accuracy in {to_goal(arm)} of sync's RL seconds")
+    out.append("; ".join(parts))
+  return " ".join(out)
 
 
 def _span(times: list) -> list | None:
@@ -527,9 +558,10 @@ def simulator_sections(validation: dict, sim: str) -> list[str]:
 # --------------------------------------------------------------------------------- learning under staleness
 
 
-def staleness_section(stale: dict | None, curves: list[str], data: str, make: str) -> list[str]:
+def staleness_section(stale: dict | None, curves: list[str], data: str, make: str,
+                      heading: str = "## Learning under staleness") -> list[str]:
   """The staleness study from its data, or a plain statement that its table is absent."""
-  head = ["## Learning under staleness", ""]
+  head = [heading, ""]
   if stale is None:
     return head + [
         f"**Absent until its runs are made.** No per-step metrics of the study are committed ({data} does not "
@@ -557,6 +589,12 @@ def staleness_section(stale: dict | None, curves: list[str], data: str, make: st
       "1 / (s + 1); corrected = `decoupled_ppo`, uncorrected = `uncorrected` (the behaviour policy never enters "
       "the loss). Table: final accuracy, mean +- standard deviation across seeds.",
       "",
+      *([("Arm suffixes: `_same_slots` runs on the synchronous arm's 128 engine slots (the outstanding groups "
+          "beyond them wait queued), `_keep_cache` keeps the carried samples' KV cache through the update "
+          "(`rollout.keep_cache`: no re-prefill; each token's version and behaviour log-prob are recorded as "
+          "sampled). RL seconds and median steps count from step 2 (step 1 is mostly compiles)."), ""]
+        if any(arm.endswith(("_same_slots", "_keep_cache")) for by_arm in stale["results"].values()
+               for arm in by_arm) else []),
       _note("each arm's final held-out accuracy at an equal sample budget on this task and model, against the "
             "spread of the seeds.",
             "a difference smaller than that spread, other tasks or model sizes, or wall-clock at scale (RL "
@@ -565,6 +603,10 @@ def staleness_section(stale: dict | None, curves: list[str], data: str, make: st
       _read(stale["md"]),
       "",
       *staleness_findings(stale["results"]),
+      *(["* The second table's criterion (StaleSync at sync's final accuracy within 0.75x of sync's RL "
+         "seconds) is read against its `sync` row: where the synchronous run itself reached its final accuracy "
+         "early (a curve that flattens), every arm's ratio is small, and the median step time and the "
+         "second-half mean say more."] if task != "arithmetic" else []),
       ""]
   out += [f"![accuracy vs samples]({curves[0]})", f"![accuracy vs wall-clock]({curves[1]})", ""]
   return out
@@ -583,6 +625,11 @@ def main(argv):
   seconds, commands, t0 = {}, {}, time.perf_counter()
   st, ab, sim = (os.path.join(root, p) for p in ("staleness", "ablation", "sim"))
   runs_manifest, stale_export = os.path.join(figures, RUNS_MANIFEST), os.path.join(figures, STALENESS_EXPORT)
+  steps_export, st_steps = os.path.join(figures, STEPS_EXPORT), os.path.join(root, "staleness_steps")
+  if os.path.isfile(steps_export):
+    _part("StaleSync to the same accuracy", "staleness_main.py",
+          [f"--from_export={steps_export}", f"--workdir={st_steps}"], os.path.join(root, "staleness_steps.log"),
+          seconds, commands)
   if _FROM_RESULTS.value:
     if not os.path.isfile(runs_manifest):
       raise app.UsageError(f"--from_results: {runs_manifest} does not exist (run the full report once)")
@@ -630,7 +677,18 @@ def main(argv):
   if have_stale:
     with open(os.path.join(st, "staleness.json")) as f:
       stale = json.load(f) | {"md": os.path.join(st, "staleness.md")}
+  steps = None
+  if os.path.isfile(steps_export):
+    with open(os.path.join(st_steps, "staleness.json")) as f:
+      steps = json.load(f) | {"md": os.path.join(st_steps, "staleness.md")}
   base = os.path.dirname(results)
+  steps_curves = []
+  if steps:
+    for k in ("samples", "wallclock"):
+      dst = os.path.join(figures, f"staleness_steps_{k}.png")
+      os.makedirs(figures, exist_ok=True)
+      shutil.copyfile(os.path.join(st_steps, f"staleness_{k}.png"), dst)
+      steps_curves.append(os.path.relpath(dst, base))
   bars = _copy(os.path.join(ab, "table1.png"), figures, base)
   timelines = [_copy(os.path.join(ab, f"timeline_{w}_{v}.png"), figures, base)
                for w in ablation["rows"] for v in ablation["rows"][w]]
@@ -689,6 +747,8 @@ def main(argv):
       "* **Tables 1 and 2 at cluster scale, simulated**: consequences of stated inputs (none measured at that "
       f"scale), not measurements. {table2_short(cluster_json)}; its section says what it cannot show.",
       f"* **Learning under staleness**: {stale_short}",
+      *([f"* **StaleSync to the same accuracy** (`arithmetic_steps`, {len(steps['settings']['seeds'])} seeds): "
+         f"{steps_short(steps)}."] if steps else []),
       "",
       "## Where every figure comes from",
       "",
@@ -737,7 +797,10 @@ def main(argv):
                                                                    for t in timelines),
       "",
       *simulator_sections(validation, sim),
-      *staleness_section(stale, curves, rel(stale_export), stale_make)]
+      *staleness_section(stale, curves, rel(stale_export), stale_make),
+      *(staleness_section(steps, steps_curves, rel(steps_export), "",
+                          heading="## StaleSync to the same accuracy, on response lengths that vary (`arithmetic_steps`)")
+        if steps else [])]
   with open(results, "w") as f:
     f.write("\n".join(lines))
   print(f"wrote {results} ({seconds['total']:.0f} s); largest held-out simulator error {err:.1%}")

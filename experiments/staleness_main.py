@@ -21,6 +21,10 @@ Arms (every arm trains ``--steps`` x 16 prompts x 8 samples; only the schedule a
     the loss: stale tokens are trained on as if sampled now);
   * ``s{S}_corrected_same_slots`` (only with ``--arms``): ``s{S}_corrected`` on the synchronous arm's 128
     slots, so a decode step costs the same in both (the outstanding groups beyond them wait queued);
+  * ``s{S}_corrected_same_slots_keep_cache`` (only with ``--arms``): that arm with ``rollout.keep_cache``:
+    samples carried into the next phase keep their KV cache through the update instead of being
+    re-prefilled, so their later tokens are sampled by the newer policy on the older policy's cache
+    (each token's version and behaviour log-prob are recorded as sampled, so the correction stays exact);
   * ``s{S}_corrected_e2m2`` / ``s{S}_uncorrected_e2m2`` (only with ``--arms``): those arms with two epochs
     of two mini-batches per batch (``algo.ppo_epochs``, ``algo.mini_batches``), where the clip acts
     against the proximal policy and the two losses' gradients differ.
@@ -99,6 +103,9 @@ def arms(staleness: list[int]) -> dict[str, tuple[str, ...]]:
     # The engine of the synchronous arm (one slot per sample of an update): the outstanding groups beyond
     # it wait queued, so a decode step costs what sync's does (the arm for wall-clock).
     out[f"s{s}_corrected_same_slots"] = schedule[:-1] + (f"rollout.num_slots={BATCH}", "algo.policy_loss=decoupled_ppo")
+    # ... with the carried samples' KV cache kept across the update (no re-prefill; their later tokens
+    # come from the newer policy, each token's version and behaviour log-prob recorded as sampled).
+    out[f"s{s}_corrected_same_slots_keep_cache"] = out[f"s{s}_corrected_same_slots"] + ("rollout.keep_cache=True",)
     # Two epochs of two mini-batches per batch: the clip now acts against the proximal policy, so the
     # corrected and uncorrected losses differ in their gradients (with one update they weight tokens apart
     # only through the behaviour weight).
@@ -137,17 +144,14 @@ def task_variant() -> str:
   return "steps" if _TASK.value == "arithmetic_steps" else ""
 
 
-def time_to_sync_accuracy(results: dict) -> str:
-  """Per StaleSync arm: the RL seconds it took to reach the final held-out accuracy of the synchronous
-  run of the same seed (first evaluation at or above it), over that sync run's RL seconds; '-' where it
-  never did within the sample budget."""
-  lines = ["| algorithm | arm | per seed: seconds to sync's final accuracy / sync's RL seconds | mean (seeds that "
-           "reached it) | reached |", "|---|---|---|---|---|"]
+def time_to_sync_ratios(results: dict) -> dict[str, dict[str, list]]:
+  """algo -> arm -> per seed: the RL seconds the run took to reach the final held-out accuracy of the
+  synchronous run of the same seed (first evaluation at or above it) over that sync run's RL seconds;
+  None where it never did within the sample budget. The sync arm's entry is the run against itself."""
+  out = {}
   for algo, by_arm in results.items():
     sync = {r["seed"]: r for r in by_arm.get("sync", [])}
     for arm, runs in by_arm.items():
-      if arm == "sync":
-        continue
       ratios = []
       for r in runs:
         ref = sync.get(r["seed"])
@@ -156,6 +160,17 @@ def time_to_sync_accuracy(results: dict) -> str:
         goal = ref["points"][-1]["accuracy"]
         hit = next((p["seconds"] for p in r["points"] if p["accuracy"] >= goal), None)
         ratios.append(None if hit is None else hit / max(ref["rl_seconds"], 1e-9))
+      out.setdefault(algo, {})[arm] = ratios
+  return out
+
+
+def time_to_sync_accuracy(results: dict) -> str:
+  """The table of ``time_to_sync_ratios``: per arm, per seed, their mean over the seeds that got there. On
+  a curve that flattens early the sync row's own ratio is small too: read the StaleSync rows against it."""
+  lines = ["| algorithm | arm | per seed: seconds to sync's final accuracy / sync's RL seconds | mean (seeds that "
+           "reached it) | reached |", "|---|---|---|---|---|"]
+  for algo, by_arm in time_to_sync_ratios(results).items():
+    for arm, ratios in by_arm.items():
       shown = ", ".join("-" if x is None else f"{x:.2f}" for x in ratios)
       reached = [x for x in ratios if x is not None]
       mean = f"{statistics.fmean(reached):.2f}" if reached else "-"
@@ -165,7 +180,7 @@ def time_to_sync_accuracy(results: dict) -> str:
 
 # What read_run reads of a run's metrics: the export keeps these, per step.
 EXPORTED = ("step_s", "train_samples", "eval/accuracy", "stalesync/trained_token_staleness_mean",
-            "stalesync/staleness_max", "is_weight_std", "reward")
+            "stalesync/staleness_max", "is_weight_std", "reward", "generate_s", "train_s")
 
 
 def run_rows(workdir: str) -> dict[int, dict]:
@@ -196,7 +211,12 @@ def summarize_rows(rows: dict[int, dict]) -> dict:
       points.append({"step": step, "samples": samples, "seconds": seconds, "accuracy": float(r["eval/accuracy"])})
   steps = [rows[k] for k in sorted(rows) if k >= 1]
   stale = [float(r.get("stalesync/trained_token_staleness_mean", 0.0)) for r in steps]
+  timed = [rows[k] for k in sorted(rows) if k >= 2]
+  median = lambda key: (statistics.median(float(r[key]) for r in timed if key in r)
+                        if any(key in r for r in timed) else None)
   return {"points": points, "token_staleness_mean": statistics.fmean(stale) if stale else 0.0,
+          "median_step_s": median("step_s"), "median_generate_s": median("generate_s"),
+          "median_train_s": median("train_s"),
           "staleness_max": max((float(r.get("stalesync/staleness_max", 0.0)) for r in steps), default=0.0),
           "is_weight_std": statistics.fmean(float(r.get("is_weight_std", 0.0)) for r in steps) if steps else 0.0,
           "rl_seconds": seconds}
@@ -222,19 +242,31 @@ def rows_from_export(run: dict) -> dict[int, dict]:
 
 
 def table(results: dict) -> str:
-  lines = ["| algorithm | arm | seeds | final accuracy (mean +- std) | min..max | start | token staleness "
-           "(mean) | behaviour IS weight std (mean) | RL seconds (mean) |", "|" + "---|" * 9]
+  """Per arm: the final held-out accuracy (mean +- std over seeds), the mean of every evaluation in the
+  run's second half (a less noisy level where the curve has flattened), staleness, IS weights, seconds."""
+  lines = ["| algorithm | arm | seeds | final accuracy (mean +- std) | min..max | second-half mean | start | "
+           "token staleness (mean) | behaviour IS weight std (mean) | RL seconds (mean) | median step s "
+           "(generate, train) |", "|" + "---|" * 11]
   for algo, by_arm in results.items():
     for arm, runs in by_arm.items():
       final = [r["points"][-1]["accuracy"] for r in runs]
       start = runs[0]["points"][0]["accuracy"]
       std = statistics.stdev(final) if len(final) > 1 else 0.0
+      half = [p["accuracy"] for r in runs for p in r["points"] if 2 * p["step"] > r["points"][-1]["step"]]
       lines.append(f"| {algo} | {arm} | {len(runs)} | {statistics.fmean(final):.3f} +- {std:.3f} | "
-                   f"{min(final):.3f}..{max(final):.3f} | {start:.3f} | "
+                   f"{min(final):.3f}..{max(final):.3f} | {statistics.fmean(half):.3f} | {start:.3f} | "
                    f"{statistics.fmean(r['token_staleness_mean'] for r in runs):.2f} | "
                    f"{statistics.fmean(r['is_weight_std'] for r in runs):.4f} | "
-                   f"{statistics.fmean(r['rl_seconds'] for r in runs):.0f} |")
+                   f"{statistics.fmean(r['rl_seconds'] for r in runs):.0f} | {_step_times(runs)} |")
   return "\n".join(lines)
+
+
+def _step_times(runs: list[dict]) -> str:
+  """Mean over seeds of each run's median step, generate and train seconds (from step 2); '-' when the
+  runs' metrics (an older export) do not have them."""
+  mean = lambda key: (f"{statistics.fmean(r[key] for r in runs):.3f}"
+                      if runs and all(r.get(key) is not None for r in runs) else "-")
+  return f"{mean('median_step_s')} ({mean('median_generate_s')}, {mean('median_train_s')})"
 
 
 def plot(results: dict, x_key: str, xlabel: str, out: str) -> None:
@@ -250,12 +282,12 @@ def plot(results: dict, x_key: str, xlabel: str, out: str) -> None:
       acc = np.array([[p["accuracy"] for p in r["points"][:n]] for r in runs])
       x = np.array([[p[x_key] for p in r["points"][:n]] for r in runs]).mean(0)
       color = f"C{levels.index(arm.split('_')[0])}"   # one colour per staleness bound
-      style = "--" if arm.endswith("_uncorrected") else "-"
+      style = "--" if arm.endswith("_uncorrected") else ":" if arm.endswith("_keep_cache") else "-"
       seeds = f"{len(runs)} seed{'s' if len(runs) > 1 else ''}"
       ax.plot(x, acc.mean(0), style, color=color, marker="o", ms=3, label=f"{arm} ({seeds})")
       ax.fill_between(x, acc.min(0), acc.max(0), color=color, alpha=0.15, lw=0)
-    ax.set_title(f"{algo}: held-out greedy accuracy (band: min..max over seeds; dashed: uncorrected)",
-                 fontsize=9)
+    ax.set_title(f"{algo}: held-out greedy accuracy\n(band: min..max over seeds; dashed: uncorrected; "
+                 "dotted: keep_cache)", fontsize=9)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("accuracy")
     ax.grid(alpha=0.3)
@@ -286,7 +318,8 @@ def from_export(root: str, path: str) -> None:
         summarize_rows(rows_from_export(run)) | {"seed": run["seed"]})
   md = render(root, results)
   with open(os.path.join(root, "staleness.json"), "w") as f:
-    json.dump({"settings": export["settings"], "results": results, "seconds": time.perf_counter() - t0,
+    json.dump({"settings": export["settings"], "results": results, "time_to_sync": time_to_sync_ratios(results),
+               "seconds": time.perf_counter() - t0,
                "runs_seconds": export.get("runs_seconds"), "command": export.get("command"),
                "from_export": path, "machines": [r.get("machine") for r in export["runs"]]}, f, indent=1)
   print(md)
@@ -307,7 +340,7 @@ def main(argv):
                               variant=task_variant())
   grid = arms(s["staleness"])
   if not _ARMS.value:
-    grid = {k: v for k, v in grid.items() if not k.endswith(("_same_slots", "_e2m2"))}
+    grid = {k: v for k, v in grid.items() if not k.endswith(("_same_slots", "_keep_cache", "_e2m2"))}
   if _QUICK.value:
     grid = {k: v for k, v in grid.items() if k in ("sync", "s1_corrected", "s1_uncorrected")}
   if _ARMS.value:
@@ -332,7 +365,8 @@ def main(argv):
   command = " ".join(["python experiments/staleness_main.py"] + sys.argv[1:])
   settings_ = s | {"task": _TASK.value}
   with open(os.path.join(root, "staleness.json"), "w") as f:
-    json.dump({"settings": settings_, "results": results, "seconds": time.perf_counter() - t0,
+    json.dump({"settings": settings_, "results": results, "time_to_sync": time_to_sync_ratios(results),
+               "seconds": time.perf_counter() - t0,
                "runs_seconds": runs_seconds, "command": command,
                "machines": [r["machine"] for r in exported]}, f, indent=1)
   with open(os.path.join(root, "staleness_export.json"), "w") as f:

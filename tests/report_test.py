@@ -111,12 +111,17 @@ def test_committed_table1_regenerates_from_results_runs(tmp_path):
           f"--workdir={tmp_path}", timeout=300)
   table = (tmp_path / "table1.md").read_text().strip()
   assert table in open(RESULTS_MD).read()
-  # Runs made before machines were recorded say so; their date comes from their own timelines.
+  # The machine comes from the runs' own records (or says "not recorded"), the date from their timelines.
   ablation = json.loads((tmp_path / "ablation.json").read_text())
-  assert all(m is None for m in ablation["machines"]) and ablation["made_unix_time"]
+  assert ablation["made_unix_time"]
   row = next(line for line in open(RESULTS_MD) if line.startswith("| measured Table 1 |"))
   made = datetime.datetime.fromtimestamp(ablation["made_unix_time"][0], datetime.timezone.utc)
-  assert "not recorded" in row and f"{made:%Y-%m-%d %H:%M}" in row
+  assert f"{made:%Y-%m-%d %H:%M}" in row
+  recorded = [m for m in ablation["machines"] if m]
+  if recorded:
+    assert all(f"({m['cpu_model']})" in row and m["commit"][:9] in row for m in recorded)
+  else:
+    assert "not recorded" in row
 
 
 def test_results_md_leads_with_held_out_and_says_what_each_table_shows():
@@ -231,3 +236,37 @@ out = {{"same": m.summarize_rows(m.rows_from_export(e)) == m.read_run({str(run)!
   assert out["same"]
   assert "loss" not in out["export"]["columns"] and out["export"]["machine"]["cpu_model"] == "X"
   assert out["export"]["columns"]["eval/accuracy"] == [0.25, None, 0.25 + 2 / 512, None, 0.25 + 4 / 512]
+
+
+def test_staleness_tables_time_to_accuracy_and_second_half_by_hand():
+  # Two runs of one seed, figures worked out by hand: sync ends at 0.55 and first reached it at 5 of its
+  # 10 RL seconds (0.50); the StaleSync arm first met 0.55 at 3 s (0.30). Second-half mean: evaluations
+  # after the run's midpoint (step 20 of 20 only). Median steps from the runs' own fields.
+  code = """
+def run(acc, secs, step_s, gen):
+  return {"seed": 0, "points": [{"step": k, "samples": 128 * k, "seconds": t, "accuracy": a}
+                                for k, a, t in zip((0, 10, 20), acc, secs)],
+          "rl_seconds": secs[-1], "token_staleness_mean": 0.0, "is_weight_std": 0.0,
+          "median_step_s": step_s, "median_generate_s": gen, "median_train_s": 0.25}
+res = {"grpo": {"sync": [run([0.5, 0.6, 0.55], [0.0, 5.0, 10.0], 0.5, 0.25)],
+                "s2_corrected": [run([0.5, 0.56, 0.6], [0.0, 3.0, 6.0], 0.3, 0.05)]}}
+out = {"tta": m.time_to_sync_accuracy(res), "table": m.table(res)}
+"""
+  out = _call("staleness_main", code)
+  assert "| grpo | sync | 0.50 | 0.50 | 1/1 |" in out["tta"]
+  assert "| grpo | s2_corrected | 0.30 | 0.30 | 1/1 |" in out["tta"]
+  sync_row = next(line for line in out["table"].splitlines() if line.startswith("| grpo | sync |"))
+  stale_row = next(line for line in out["table"].splitlines() if line.startswith("| grpo | s2_corrected |"))
+  assert "| 0.550 | 0.500 |" in sync_row and "0.500 (0.250, 0.250)" in sync_row
+  assert "| 0.600 | 0.500 |" in stale_row and "0.300 (0.050, 0.250)" in stale_row
+
+
+def test_committed_staleness_tables_regenerate_from_their_exports(tmp_path):
+  # RESULTS.md's staleness tables (the main job's study and, where committed, the arithmetic_steps study)
+  # are what staleness_main.py renders from the committed exports.
+  exports = [os.path.join(ROOT, "results", d, "export.json") for d in ("staleness", "staleness_steps")]
+  text = open(RESULTS_MD).read()
+  for i, export in enumerate(e for e in exports if os.path.isfile(e)):
+    _binary("staleness_main.py", f"--from_export={export}", f"--workdir={tmp_path / str(i)}", timeout=300)
+    table = (tmp_path / str(i) / "staleness.md").read_text().strip()
+    assert table and table in text, export

@@ -20,7 +20,9 @@ policy and GAE, gamma = lambda = 1), ``:dapo`` (dynamic sampling, clip-higher 0.
 penalty over the last 2 tokens), ``:drgrpo`` (Dr. GRPO advantages and aggregation), ``:kl`` (k3 KL
 penalty against the warm-up policy), ``:stalesync`` (StaleSync with max_staleness 1 and
 train_fraction 0.5: 32 groups outstanding, 16 trained per update, decoupled-PPO off-policy correction),
-``:moe`` (a Qwen3-MoE-style policy: 8 experts of hidden 96, top-2 with renormalised weights, q/k norm,
+``:steps`` (the ``arithmetic_steps`` task: chained one-digit + and - answered with the running result
+after each operation, 2-12 operands on a geometric tail, so response lengths vary with the problem; the
+update on packed rows), ``:moe`` (a Qwen3-MoE-style policy: 8 experts of hidden 96, top-2 with renormalised weights, q/k norm,
 load-balance loss 0.01 and z-loss 1e-3; experts over data x fsdp while training and over fsdp while
 generating, so on the 2-device CPU default each device holds 4 experts in training and all 8 while
 generating). Append ``,stalesync`` (``:moe,stalesync``) to combine it with the StaleSync variant.
@@ -86,6 +88,9 @@ def get_config(arg: str = ""):
     c.task.kwargs = dict(min_terms=2, max_terms=12, tail=2.0)
     c.rollout.max_prompt_len, c.rollout.max_new_tokens = 25, 44   # a BOS token + 24 characters; 43 + EOS
     c.model.max_position_embeddings = 72
+    # The update on packed rows: its cost follows the responses' real tokens (mean ~8 characters), not
+    # the 69-column padded width that the longest response of a batch sets.
+    c.optim.pack_rows = True
   elif arg:
     raise ValueError(f"unknown variant {arg!r} of arithmetic.py; known: drgrpo, ppo, dapo, kl, stalesync, steps")
   return c
