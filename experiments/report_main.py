@@ -239,6 +239,24 @@ TABLE1_NOTE = (
     "machine's memory bandwidth), or a difference smaller than the spread between repeats of one variant.")
 
 
+def variant_settings(ablation: dict) -> str:
+  """Each variant's schedule as its first run's config.json records it (StaleSync bound, train fraction,
+  kept KV cache), so the table says what was run, not what the binary does today."""
+  out = []
+  for variant, dirs in next(iter(ablation["workdirs"].values()), {}).items():
+    try:
+      with open(os.path.join(dirs[0], "config.json")) as f:
+        cfg = json.load(f)
+    except (OSError, IndexError, ValueError):
+      out.append(f"`{variant}` (config not found)")
+      continue
+    st, keep = cfg.get("stalesync", {}), cfg.get("rollout", {}).get("keep_cache", False)
+    s = st.get("max_staleness", 0) if st.get("enabled") else 0
+    text = f"s = {s}" + (f", f = {st.get('train_fraction')}" if s else "") + (", `rollout.keep_cache`" if keep else "")
+    out.append(f"`{variant}` {text}")
+  return "; ".join(out)
+
+
 def staleness_findings(results: dict) -> list[str]:
   """Per algorithm and arm: the final accuracy against sync's, in points and against the seed spread."""
   import statistics  # pylint: disable=g-import-not-at-top
@@ -780,7 +798,8 @@ def main(argv):
       "the runs whose measured window held no compile; † marks a run whose window held one (a measured step "
       "whose update or rollout took over 3x the run's median, or logged compile seconds over 1% of the "
       "window), and a row none of whose runs is free of one (it then keeps them all, and its ratio is also "
-      "given without the compile's excess). Variants and workloads: `experiments/ablation_main.py`'s docstring.",
+      "given without the compile's excess). Variants and workloads: `experiments/ablation_main.py`'s docstring; "
+      f"as run: {variant_settings(ablation)}.",
       "",
       TABLE1_NOTE,
       "",
