@@ -15,9 +15,10 @@ Writes --results (default WORKDIR/RESULTS.md) and, in --figures (default results
 and the data every table is computed from: runs/ (what Table 1 and the simulator read of each measured
 run, with the machine it was made on and its logged compiles; runs/ablation.json lists them;
 tests/sim_test.py validates the simulator against them) and staleness/export.json (every staleness run's
-per-step metrics and machine). When --figures holds staleness_steps/export.json (the export of
-``staleness_main.py --task=arithmetic_steps``, committed by hand: the report never makes those runs), its
-table and curves are rendered into their own section. --from_results runs nothing and reads that data back: Table 1 by
+per-step metrics and machine). When --figures holds staleness_steps/export.json or
+staleness_steps_long/export.json (the exports of ``staleness_main.py --task=arithmetic_steps`` and
+``--task=arithmetic_steps_long``, committed by hand: the report never makes those runs), each one's table
+and curves are rendered into a section of its own. --from_results runs nothing and reads that data back: Table 1 by
 ``ablation_main.py --from_runs``, the staleness table by ``staleness_main.py --from_export`` (the section
 says plainly that the table is absent when no export is there), and the simulator recomputed from runs/
 and its stated inputs. --sim_from=DIR takes the simulator's outputs from DIR (made by the simulate command
@@ -67,9 +68,9 @@ flags.mark_flags_as_required(["workdir"])
 
 RUNS_MANIFEST = os.path.join("runs", "ablation.json")
 STALENESS_EXPORT = os.path.join("staleness", "export.json")
-# The StaleSync-to-the-same-accuracy study on arithmetic_steps (staleness_main.py --task=arithmetic_steps):
-# rendered from its committed export when there is one; the report never makes these runs.
-STEPS_EXPORT = os.path.join("staleness_steps", "export.json")
+# The StaleSync-to-the-same-accuracy studies (staleness_main.py --task=...): folder under --figures -> task;
+# each rendered from its committed export when there is one; the report never makes these runs.
+STEPS_STUDIES = {"staleness_steps": "arithmetic_steps", "staleness_steps_long": "arithmetic_steps_long"}
 SIM_OUTPUTS = ("validation.json", "validation.md", "cluster.json", "cluster.md")
 
 
@@ -643,11 +644,11 @@ def main(argv):
   seconds, commands, t0 = {}, {}, time.perf_counter()
   st, ab, sim = (os.path.join(root, p) for p in ("staleness", "ablation", "sim"))
   runs_manifest, stale_export = os.path.join(figures, RUNS_MANIFEST), os.path.join(figures, STALENESS_EXPORT)
-  steps_export, st_steps = os.path.join(figures, STEPS_EXPORT), os.path.join(root, "staleness_steps")
-  if os.path.isfile(steps_export):
-    _part("StaleSync to the same accuracy", "staleness_main.py",
-          [f"--from_export={steps_export}", f"--workdir={st_steps}"], os.path.join(root, "staleness_steps.log"),
-          seconds, commands)
+  studies = [(name, task, os.path.join(figures, name, "export.json"), os.path.join(root, name))
+             for name, task in STEPS_STUDIES.items() if os.path.isfile(os.path.join(figures, name, "export.json"))]
+  for name, task, export, out in studies:
+    _part(f"StaleSync to the same accuracy ({task})", "staleness_main.py",
+          [f"--from_export={export}", f"--workdir={out}"], os.path.join(root, f"{name}.log"), seconds, commands)
   if _FROM_RESULTS.value:
     if not os.path.isfile(runs_manifest):
       raise app.UsageError(f"--from_results: {runs_manifest} does not exist (run the full report once)")
@@ -695,18 +696,18 @@ def main(argv):
   if have_stale:
     with open(os.path.join(st, "staleness.json")) as f:
       stale = json.load(f) | {"md": os.path.join(st, "staleness.md")}
-  steps = None
-  if os.path.isfile(steps_export):
-    with open(os.path.join(st_steps, "staleness.json")) as f:
-      steps = json.load(f) | {"md": os.path.join(st_steps, "staleness.md")}
+  loaded = []   # (task, staleness.json + md, export path)
+  for name, task, export, out in studies:
+    with open(os.path.join(out, "staleness.json")) as f:
+      loaded.append((name, task, json.load(f) | {"md": os.path.join(out, "staleness.md")}, export, out))
   base = os.path.dirname(results)
-  steps_curves = []
-  if steps:
+  study_curves = {}
+  for name, _, _, _, out in loaded:
+    os.makedirs(figures, exist_ok=True)
     for k in ("samples", "wallclock"):
-      dst = os.path.join(figures, f"staleness_steps_{k}.png")
-      os.makedirs(figures, exist_ok=True)
-      shutil.copyfile(os.path.join(st_steps, f"staleness_{k}.png"), dst)
-      steps_curves.append(os.path.relpath(dst, base))
+      dst = os.path.join(figures, f"{name}_{k}.png")
+      shutil.copyfile(os.path.join(out, f"staleness_{k}.png"), dst)
+      study_curves.setdefault(name, []).append(os.path.relpath(dst, base))
   bars = _copy(os.path.join(ab, "table1.png"), figures, base)
   timelines = [_copy(os.path.join(ab, f"timeline_{w}_{v}.png"), figures, base)
                for w in ablation["rows"] for v in ablation["rows"][w]]
@@ -765,8 +766,8 @@ def main(argv):
       "* **Tables 1 and 2 at cluster scale, simulated**: consequences of stated inputs (none measured at that "
       f"scale), not measurements. {table2_short(cluster_json)}; its section says what it cannot show.",
       f"* **Learning under staleness**: {stale_short}",
-      *([f"* **StaleSync to the same accuracy** (`arithmetic_steps`, {len(steps['settings']['seeds'])} seeds): "
-         f"{steps_short(steps)}."] if steps else []),
+      *[f"* **StaleSync to the same accuracy** (`{task}`, {len(st_['settings']['seeds'])} seeds): "
+        f"{steps_short(st_)}." for _, task, st_, _, _ in loaded],
       "",
       "## Where every figure comes from",
       "",
@@ -786,6 +787,11 @@ def main(argv):
        f"{made_line(_span([m['unix_time'] for m in stale.get('machines') or [] if m]))} | "
        f"{_seconds(stale.get('runs_seconds'))} | {in_this('learning under staleness')} |" if stale else
        f"| learning under staleness | not committed (`{rel(stale_export)}`) | see its section | - | - | - | - |"),
+      *[f"| StaleSync to the same accuracy (`{task}`) | `{rel(export)}` | `{_shown(st_.get('command') or 'not recorded')}` "
+        f"| {machines_line(st_.get('machines') or [])} | "
+        f"{made_line(_span([m['unix_time'] for m in st_.get('machines') or [] if m]))} | "
+        f"{_seconds(st_.get('runs_seconds'))} | {in_this(f'StaleSync to the same accuracy ({task})')} |"
+        for _, task, st_, export, _ in loaded],
       f"| simulator (held-out and in-sample validation, Tables 1 and 2, sweep) | `{rel(runs_manifest)}` and the "
       f"inputs in `rl_fusion_jax/sim/cluster.py` | `{commands['simulator']}` | (computed, deterministic) | "
       f"by that command | - | {in_this('simulator')} |",
@@ -817,9 +823,9 @@ def main(argv):
       "",
       *simulator_sections(validation, sim),
       *staleness_section(stale, curves, rel(stale_export), stale_make),
-      *(staleness_section(steps, steps_curves, rel(steps_export), "",
-                          heading="## StaleSync to the same accuracy, on response lengths that vary (`arithmetic_steps`)")
-        if steps else [])]
+      *[line for name, task, st_, export, _ in loaded
+        for line in staleness_section(st_, study_curves[name], rel(export), "",
+                                      heading=f"## StaleSync to the same accuracy, on response lengths that vary (`{task}`)")]]
   with open(results, "w") as f:
     f.write("\n".join(lines))
   print(f"wrote {results} ({seconds['total']:.0f} s); largest held-out simulator error {err:.1%}")

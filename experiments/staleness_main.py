@@ -31,7 +31,8 @@ Arms (every arm trains ``--steps`` x 16 prompts x 8 samples; only the schedule a
 Algorithms: ``grpo`` (arithmetic.py) and ``ppo`` (arithmetic.py:ppo, a critic and GAE).
 
 ``--task=arithmetic_steps`` runs the grid on arithmetic.py:steps (chained + and - with worked steps,
-responses of 1-43 characters with a long tail: rewards/arithmetic_steps.py), GRPO only, with its own
+responses of 1-43 characters with a long tail: rewards/arithmetic_steps.py), ``--task=arithmetic_steps_long``
+on arithmetic.py:steps_long (a heavier tail: 2-20 operands, responses of 1-75 characters), GRPO only, with its own
 warm-up export; ``--arms`` keeps some arms (e.g. ``sync,s1_corrected``). The table then also gives, per
 StaleSync arm and seed, the RL seconds it took to reach the synchronous run's final held-out accuracy
 over the synchronous run's RL seconds.
@@ -77,10 +78,11 @@ _EVAL_EVERY = flags.DEFINE_integer("eval_every", 25, "Held-out evaluation every 
 _EVAL_PROBLEMS = flags.DEFINE_integer("eval_problems", 512, "Held-out problems per evaluation (greedy).")
 _WARMUP_STEPS = flags.DEFINE_integer("warmup_steps", 2500, "Supervised warm-up steps of the exported policy.")
 _ARMS = flags.DEFINE_list("arms", [], "Arms to run (default: every arm of the grid), e.g. sync,s1_corrected.")
-_TASK = flags.DEFINE_enum("task", "arithmetic", ["arithmetic", "arithmetic_steps"],
+_TASK = flags.DEFINE_enum("task", "arithmetic", ["arithmetic", "arithmetic_steps", "arithmetic_steps_long"],
                           "arithmetic: the main job's task (answers of 1-3 characters); arithmetic_steps: "
                           "arithmetic.py:steps, chained + and - with worked steps (responses of 1-43 characters, "
-                          "a long tail; GRPO only).")
+                          "a long tail; GRPO only); arithmetic_steps_long: arithmetic.py:steps_long, the same "
+                          "with a heavier tail (2-20 operands, responses of 1-75 characters).")
 _CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/rl_fusion_jax/jax_cache",
                              "Persistent XLA compilation cache of the runs ('' disables).")
 _FROM_EXPORT = flags.DEFINE_string("from_export", "", "A staleness_export.json (e.g. results/staleness/export.json): "
@@ -141,7 +143,7 @@ def run_one(root: str, hf: str, algo: str, arm: str, overrides: tuple[str, ...],
 
 def task_variant() -> str:
   """arithmetic.py's variant for ``--task`` ('' for the main job's task)."""
-  return "steps" if _TASK.value == "arithmetic_steps" else ""
+  return {"arithmetic_steps": "steps", "arithmetic_steps_long": "steps_long"}.get(_TASK.value, "")
 
 
 def time_to_sync_ratios(results: dict) -> dict[str, dict[str, list]]:
@@ -335,7 +337,7 @@ def main(argv):
   s = settings()
   t0 = time.perf_counter()
   if task_variant() and any(ALGOS[a] for a in s["algos"]):
-    raise app.UsageError("--task=arithmetic_steps runs GRPO only (--algos=grpo)")
+    raise app.UsageError(f"--task={_TASK.value} runs GRPO only (--algos=grpo)")
   hf = common.exported_warmup(root, s["warmup_steps"], _CACHE.value, common.QUICK_MODEL if _QUICK.value else (),
                               variant=task_variant())
   grid = arms(s["staleness"])

@@ -262,9 +262,10 @@ out = {"tta": m.time_to_sync_accuracy(res), "table": m.table(res)}
 
 
 def test_committed_staleness_tables_regenerate_from_their_exports(tmp_path):
-  # RESULTS.md's staleness tables (the main job's study and, where committed, the arithmetic_steps study)
+  # RESULTS.md's staleness tables (the main job's study and, where committed, the arithmetic_steps studies)
   # are what staleness_main.py renders from the committed exports.
-  exports = [os.path.join(ROOT, "results", d, "export.json") for d in ("staleness", "staleness_steps")]
+  exports = [os.path.join(ROOT, "results", d, "export.json")
+             for d in ("staleness", "staleness_steps", "staleness_steps_long")]
   text = open(RESULTS_MD).read()
   for i, export in enumerate(e for e in exports if os.path.isfile(e)):
     _binary("staleness_main.py", f"--from_export={export}", f"--workdir={tmp_path / str(i)}", timeout=300)

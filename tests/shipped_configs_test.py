@@ -35,7 +35,7 @@ CONFIGS = ROOT / "experiments" / "configs"
 EXPECTED = ROOT / "tests" / "data" / "shipped_configs.json"
 FIXTURE = ROOT / "rl_fusion_jax" / "testing" / "hf_fixtures" / "qwen2_f32"
 
-_FAMILY = ["", "drgrpo", "ppo", "dapo", "kl", "stalesync", "steps"]
+_FAMILY = ["", "drgrpo", "ppo", "dapo", "kl", "stalesync", "steps", "steps_long"]
 # Every config file and the variants its get_config takes (arithmetic.py's, passed on by countdown and gsm8k).
 VARIANTS = {
     "arithmetic": _FAMILY + ["moe"] + [f"moe,{v}" for v in _FAMILY if v],

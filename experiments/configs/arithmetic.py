@@ -22,7 +22,8 @@ penalty against the warm-up policy), ``:stalesync`` (StaleSync with max_stalenes
 train_fraction 0.5: 32 groups outstanding, 16 trained per update, decoupled-PPO off-policy correction),
 ``:steps`` (the ``arithmetic_steps`` task: chained one-digit + and - answered with the running result
 after each operation, 2-12 operands on a geometric tail, so response lengths vary with the problem; the
-update on packed rows), ``:moe`` (a Qwen3-MoE-style policy: 8 experts of hidden 96, top-2 with renormalised weights, q/k norm,
+update on packed rows), ``:steps_long`` (the same task with a heavier tail: 2-20 operands, a geometric
+mean of 3 extra), ``:moe`` (a Qwen3-MoE-style policy: 8 experts of hidden 96, top-2 with renormalised weights, q/k norm,
 load-balance loss 0.01 and z-loss 1e-3; experts over data x fsdp while training and over fsdp while
 generating, so on the 2-device CPU default each device holds 4 experts in training and all 8 while
 generating). Append ``,stalesync`` (``:moe,stalesync``) to combine it with the StaleSync variant.
@@ -81,7 +82,7 @@ def get_config(arg: str = ""):
     c.stalesync.enabled, c.stalesync.max_staleness, c.stalesync.train_fraction = True, 1, 0.5
     c.rollout.num_slots = 256          # every outstanding sample has a slot, so long tails stay in flight
     c.algo.policy_loss = "decoupled_ppo"
-  elif arg == "steps":
+  elif arg in ("steps", "steps_long"):
     # Chained one-digit + and - with the running result written after each operation
     # (rewards/arithmetic_steps.py): response lengths set by the problem, with a tail (2-12 operands).
     c.task.name = "arithmetic_steps"
@@ -91,6 +92,13 @@ def get_config(arg: str = ""):
     # The update on packed rows: its cost follows the responses' real tokens (mean ~8 characters), not
     # the 69-column padded width that the longest response of a batch sets.
     c.optim.pack_rows = True
+    if arg == "steps_long":
+      # A heavier tail (2-20 operands, geometric mean 3 extra): responses of ~12 characters on average, the
+      # longest of an update ~60 (at most 75).
+      c.task.kwargs = dict(min_terms=2, max_terms=20, tail=3.0)
+      c.rollout.max_prompt_len, c.rollout.max_new_tokens = 41, 76   # a BOS token + 40 characters; 75 + EOS
+      c.model.max_position_embeddings = 120
   elif arg:
-    raise ValueError(f"unknown variant {arg!r} of arithmetic.py; known: drgrpo, ppo, dapo, kl, stalesync, steps")
+    raise ValueError(f"unknown variant {arg!r} of arithmetic.py; known: drgrpo, ppo, dapo, kl, stalesync, steps, "
+                     "steps_long")
   return c
