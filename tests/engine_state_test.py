@@ -3,6 +3,7 @@ import functools
 import io
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -170,7 +171,7 @@ def test_finish_groups_waits_and_returns_every_complete_group():
 
 def test_a_chunk_fetches_flags_and_finished_rows_not_the_slot_state(monkeypatch):
   # Per chunk the host reads [S] flags, lengths and sample ids, the outbox's [O] sample ids and scalar
-  # counters; the finished samples only as blocks [3, size] of their packed numbers and responses (O = S
+  # counters; the finished samples only as blocks [W, size] of bytes of their packed numbers and responses (O = S
   # + the S uploaded requests), never a [S, T] field nor a padded [O, 3T + 4] row. The oldest version of
   # each in-flight sample, kept on the host, equals the one in the slot state.
   fetched = []
@@ -182,9 +183,10 @@ def test_a_chunk_fetches_flags_and_finished_rows_not_the_slot_state(monkeypatch)
   stats = [engine.run(jax.device_put(params(version), setup(mesh_cfg)[1]), version, target_groups=1).stats
            for version in (0, 1)]
   seq_len = SPEC.seq_len
-  blocks = [(3, size) for size in slots.PACK_BLOCKS]
+  width = slots.wire_format(SPEC.model.vocab_size, SPEC.seq_len)[2]
+  blocks = [(width, size) for size in slots.PACK_BLOCKS]
   shapes = [tuple(x.shape) for leaves in fetched for x in leaves]
-  assert (3, slots.PACK_BLOCKS[-1]) in shapes
+  assert (width, slots.PACK_BLOCKS[-1]) in shapes
   assert all(s in ((), (8,), (16,), *blocks) for s in shapes), shapes
   # The bytes counted are the bytes fetched, against padded rows of the same samples (3 x T + 4 int32).
   fetched_rows = sum(x.nbytes for leaves in fetched for x in leaves if x.shape in blocks)
@@ -208,11 +210,42 @@ def test_a_chunk_fetches_flags_and_finished_rows_not_the_slot_state(monkeypatch)
     assert n <= starts[-1][0] + starts[-1][1] < n + slots.PACK_BLOCKS[-1]
   live = [s for s, r in enumerate(engine._occupant) if r is not None]
   outbox = slots.pack_rows(host)[np.asarray(live)]
-  flat, columns = jax.device_get(slots.pack_finished(outbox, len(live), SPEC.max_new_tokens))
+  vocab = SPEC.model.vocab_size
+  flat, columns = jax.device_get(slots.pack_finished(outbox, len(live), SPEC.max_new_tokens, jnp.int32(1), vocab))
   k = len(live)
+  assert flat.dtype == np.uint8 and flat.shape[0] == width
   assert columns == k + host.response_len_s[live].sum() and not flat[:, columns:].any()
-  rows = engine_lib._unpack_rows(flat[:, k:columns], flat[:, :k].T, [engine._occupant[s] for s in live], seq_len)
+  unpacked = slots.unpack_finished(flat[:, :columns], k, 1, vocab, seq_len)
+  rows = engine_lib._unpack_rows(*unpacked, [engine._occupant[s] for s in live], seq_len)
   for s, row in zip(live, rows):
     for name, value in row.items():
       np.testing.assert_array_equal(value, getattr(host, name)[s], err_msg=name)
       assert np.asarray(value).dtype == getattr(host, name).dtype, name
+
+
+@pytest.mark.parametrize("vocab_size,seq_len", [(100, 40), (2 ** 16 + 7, 300)])
+def test_packed_bytes_round_trip(vocab_size, seq_len):
+  # Outbox rows (3T + 4 int32: tokens, log-prob bits, versions, finished, prompt / response length, id)
+  # -> pack_finished's bytes -> unpack_finished: every response token's id, log-prob bits and version and
+  # every row's numbers come back exactly, in the widths wire_format gives.
+  rng = np.random.default_rng(0)
+  rows, version = 5, 9
+  prompt = rng.integers(1, seq_len // 2, rows)
+  response = np.minimum(rng.integers(0, seq_len // 2, rows), seq_len - prompt)
+  t = np.arange(seq_len)[None]
+  inside = (t >= prompt[:, None]) & (t < (prompt + response)[:, None])
+  tokens = np.where(inside, rng.integers(0, vocab_size, (rows, seq_len)), 0).astype(np.int32)
+  logp = np.where(inside, -rng.exponential(3.0, (rows, seq_len)), 0).astype(np.float32)
+  versions = np.where(inside, rng.integers(version - 3, version + 1, (rows, seq_len)), -1).astype(np.int32)
+  meta = np.stack([rng.integers(0, 2, rows), prompt, response, np.arange(rows)], 1).astype(np.int32)
+  outbox = np.concatenate([tokens, logp.view(np.int32), versions, meta], axis=1)
+  flat, columns = jax.device_get(slots.pack_finished(jnp.asarray(outbox), rows, seq_len, jnp.int32(version),
+                                                     vocab_size))
+  token_bytes, length_bytes, width = slots.wire_format(vocab_size, seq_len)
+  assert (token_bytes, length_bytes) == ((1, 1) if vocab_size == 100 else (3, 2)) and flat.shape[0] == width
+  assert columns == rows + response.sum()
+  meta_k3, tok, lp, ver = slots.unpack_finished(flat[:, :columns], rows, version, vocab_size, seq_len)
+  np.testing.assert_array_equal(meta_k3, meta[:, :3])
+  np.testing.assert_array_equal(tok, tokens[inside])
+  np.testing.assert_array_equal(lp.view(np.int32), logp[inside].view(np.int32))
+  np.testing.assert_array_equal(ver, versions[inside])

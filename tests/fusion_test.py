@@ -136,6 +136,20 @@ def test_hybrid_scores_the_reference_on_its_own_group(runs):
   assert all(r["switch/to_generate/params_bytes"] > 0 for r in rows)   # the actor is still fused
 
 
+def test_hybrid_scores_packed_rows_as_padded_ones(runs, tmp_path):
+  # optim.pack_rows in hybrid: the packed rows are copied to the aux group's devices and the reference
+  # scores them there; the first step equals the padded hybrid run's (same params, reference and batch).
+  workdir = str(tmp_path / "packed")
+  loop.run(cfg("hybrid", **{"optim.pack_rows": True, "run.steps": 1}), workdir)
+  packed = [r for r in metrics_lib.read_metrics(workdir) if "loss" in r][0]
+  padded = runs["hybrid"][2][0]
+  assert "pack/rows" in packed and "pack/rows" not in padded
+  for key in ("reward", "loss", "grad_norm", "kl", "kl_seq", "entropy"):
+    assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-4), key
+  ref = [i for i in load_timeline(timeline_path(workdir)).intervals if i.name == "reference"]
+  assert {i.group for i in ref} == {"aux"}
+
+
 def test_bad_hybrid_config(tmp_path):
   with pytest.raises(ValueError, match="fusion.aux_devices"):
     loop.run(cfg("hybrid", **{"fusion.aux_devices": 8}), str(tmp_path / "w"))

@@ -128,6 +128,19 @@ def test_learned_reward_model_adds_its_score(tmp_path, mode):
                                         + 0.5 * row["reward_model_score"], abs=1e-5)
 
 
+def test_reward_model_on_packed_rows_equals_the_padded_rows(tmp_path):
+  # With optim.pack_rows the reward model scores the packed rows (no padded batch): the same first step.
+  rm_path = str(tmp_path / "rm")
+  _save_reward_model(rm_path)
+  over = {"task.reward_model": rm_path, "task.reward_model_weight": 0.5, "run.steps": 1, "algo.kl_coef": 0.05}
+  loop.run(tiny(**over), str(tmp_path / "padded"))
+  loop.run(tiny(**over, **{"optim.pack_rows": True}), str(tmp_path / "packed"))
+  a, b = ([r for r in metrics_lib.read_metrics(str(tmp_path / w)) if "loss" in r][0] for w in ("padded", "packed"))
+  assert "pack/rows" in b and "pack/rows" not in a
+  for key in ("reward_model_score", "reward", "loss", "grad_norm", "kl"):
+    assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+
+
 def test_reward_model_with_wrong_shapes_fails_at_start(tmp_path):
   import safetensors.numpy
   rm_path = tmp_path / "rm"
@@ -180,10 +193,14 @@ def test_packed_rows_update_equals_the_padded_update(tmp_path):
   for key in ("loss", "grad_norm", "entropy", "ratio", "reward"):
     assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
   assert b["pack/rows_used"] < 32 and b["pack/rows"] % 8 == 0 and "pack/rows" not in a
-  # The packed rows went straight from the host: the bytes put are those of pack/rows rows of 3 fields (and
-  # 6 numbers per sample), fewer than the padded update's [32, train_width] rows of the same fields.
-  assert b["queue/link_bytes/host_to_device"] == 12 * b["pack/rows"] * 24 + 24 * 32
-  assert b["queue/link_bytes/host_to_device_padded"] == 12 * 32 * b["train_width"] + 24 * 32
+  # The samples went straight from the host as one byte stream per data-parallel group (8 here), with 6
+  # 16-bit numbers per sample, the version base and the rewards (float32); the padded update would place
+  # [32, train_width] rows of tokens, log-probs and versions (int32 / float32).
+  per_sample = 16 * 32 + 4
+  assert b["queue/link_bytes/host_to_device"] == 8 * b["pack/stream_bytes"] + per_sample
+  assert b["queue/link_bytes/host_to_device_padded"] == 12 * 32 * b["train_width"] + per_sample
+  assert b["pack/stream_used_bytes"] <= 8 * b["pack/stream_bytes"]
+  assert b["queue/link_bytes/host_to_device"] < b["queue/link_bytes/host_to_device_padded"]
   assert a["queue/link_bytes/engine_to_host"] < a["queue/link_bytes/engine_to_host_padded"]
   with pytest.raises(ValueError, match="config.optim.pack_rows"):
     tiny(**{"optim.pack_rows": True, "algo.policy_loss": "tis_seq"})

@@ -34,13 +34,29 @@ def samples(seed: int, num: int = 16):
   return prompt_b, response_b, tokens_bt, logp_bt, version_bt, resp_bt.astype(np.float32)
 
 
-def test_device_layout_is_the_host_packers():
+def stream_bytes_by_hand(prompt_b, response_b, token_bytes, version_bytes):
+  """Bytes each sample takes in its group's stream, from the wire format's definition: its tokens, then 4
+  bytes of log-prob bits and the version's bytes per response token."""
+  return token_bytes * (prompt_b + response_b) + (4 + version_bytes) * response_b
+
+
+# (vocab size, versions the samples span, staleness the format is sized for) -> (token bytes, version bytes)
+FORMATS = {(128, 3, 2): (1, 1), (2 ** 16 + 1, 3, 2): (3, 1), (128, 300, 2): (1, 2), (128, 3, 1000): (1, 2)}
+
+
+@pytest.mark.parametrize("case", list(FORMATS))
+def test_device_layout_is_the_host_packers(case):
+  vocab_size, span, max_span = case
+  token_bytes, version_bytes = FORMATS[case]
   mesh = make_mesh(MeshConfig(data=-1), jax.devices()[:2])
   for seed in range(3):
     prompt_b, response_b, tokens_bt, logp_bt, version_bt, mask_bt = samples(seed)
-    layout = packing.plan(prompt_b + response_b, SEQ_LEN, packing.row_buckets(16, 2))
+    tokens_bt = np.where(tokens_bt > 0, tokens_bt + vocab_size - 50, 0).astype(np.int32)   # up to vocab - 1
+    version_bt = np.where(version_bt >= 0, version_bt * (span - 1) // 2 + 1000 * seed, -1).astype(np.int32)
+    layout = packing.plan(prompt_b + response_b, SEQ_LEN, packing.row_buckets(16, 2), groups=2)
     rows, link = packed_step.place_rows(mesh, layout, tokens_bt=tokens_bt, behaviour_logp_bt=logp_bt,
-                                        version_bt=version_bt, prompt_len_b=prompt_b)
+                                        version_bt=version_bt, prompt_len_b=prompt_b, vocab_size=vocab_size,
+                                        max_version_span=max_span)
     positions, segments, sample, mask = jax.device_get(packed_step.make_row_layout(mesh)(rows))
     host = packing.pack_batch(layout, tokens_bt=tokens_bt, mask_bt=mask_bt, advantages_bt=mask_bt,
                               behaviour_logp_bt=logp_bt, ref_logp_bt=mask_bt, version_bt=version_bt)
@@ -49,15 +65,80 @@ def test_device_layout_is_the_host_packers():
     np.testing.assert_array_equal(sample, host.sample_rw)
     np.testing.assert_array_equal(mask, host.mask_rw)
     for name in ("tokens_rw", "behaviour_logp_rw", "version_rw"):
-      np.testing.assert_array_equal(jax.device_get(getattr(rows, name)), getattr(host, name), err_msg=name)
-    # Bytes by hand: 3 int32/float32 fields of R x W, 5 int32 per sample; padded: the same 3 fields as
-    # [B, train_width] rows.
-    r, b = layout.num_rows, len(prompt_b)
+      got = jax.device_get(getattr(rows, name))
+      assert got.dtype == getattr(host, name).dtype, name
+      np.testing.assert_array_equal(got, getattr(host, name), err_msg=name)
+    # Bytes by hand. Each of the 2 groups (one device each) is sent its stream: its samples' bytes, the
+    # stream length rounded up to 256 x (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, ...); 6 16-bit numbers per sample
+    # and the version base (int32).
+    # Padded: 3 int32 / float32 fields as [B, train_width] rows and the same per-sample numbers.
+    b, half = len(prompt_b), layout.num_rows // 2
+    bytes_b = stream_bytes_by_hand(prompt_b, response_b, token_bytes, version_bytes)
+    group_b = layout.row_b // half
+    most = max(bytes_b[group_b == g].sum() for g in range(2))
+    n = 256 * min(s for s in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16) if 256 * s >= most)
     padded_width = step_lib.train_width(int((prompt_b + response_b).max()), SEQ_LEN)
-    # On 2 devices of one data-parallel group each (data=-1 over 2 devices): each device is sent its rows.
-    assert link == {"host_to_device": 12.0 * r * SEQ_LEN + 20 * b,
-                    "host_to_device_padded": 12.0 * b * padded_width + 20 * b,
-                    "host_to_device_per_device": 12.0 * r * SEQ_LEN / 2 + 20 * b}
+    assert link == {"stream_bytes": n, "stream_used_bytes": bytes_b.sum(),
+                    "host_to_device": 2.0 * n + 12 * b + 4,
+                    "host_to_device_padded": 12.0 * b * padded_width + 12 * b + 4,
+                    "host_to_device_per_device": 1.0 * n + 12 * b + 4}
+
+
+def test_rows_are_dealt_round_robin_over_the_groups():
+  # First-fit decreasing fills rows 0, 1, ...; dealt over 2 groups of 4 rows, filled row i goes to
+  # (i % 2) * 4 + i // 2: rows 0, 4, 1, 5, ... So both groups hold about half the tokens.
+  length_b = np.array([10, 9, 8, 7, 3, 2])          # width 12: rows {10, 2}, {9, 3}, {8}, {7}
+  plain = packing.plan(length_b, 12, (8,))
+  dealt = packing.plan(length_b, 12, (8,), groups=2)
+  np.testing.assert_array_equal(plain.row_b, [0, 1, 2, 3, 1, 0])
+  np.testing.assert_array_equal(dealt.row_b, [0, 4, 1, 5, 4, 0])
+  np.testing.assert_array_equal(dealt.start_b, plain.start_b)
+
+
+def test_stream_rows_on_a_group_of_four_devices():
+  # data=2, tensor=4: each group's stream is split in 4 parts, one per device, gathered on the device; the
+  # rows equal the host packer's.
+  mesh = make_mesh(MeshConfig(data=2, tensor=4), jax.devices()[:8])
+  prompt_b, response_b, tokens_bt, logp_bt, version_bt, mask_bt = samples(5)
+  layout = packing.plan(prompt_b + response_b, SEQ_LEN, packing.row_buckets(16, 2), groups=2)
+  rows, link = packed_step.place_rows(mesh, layout, tokens_bt=tokens_bt, behaviour_logp_bt=logp_bt,
+                                      version_bt=version_bt, prompt_len_b=prompt_b, vocab_size=128,
+                                      max_version_span=2)
+  host = packing.pack_batch(layout, tokens_bt=tokens_bt, mask_bt=mask_bt, advantages_bt=mask_bt,
+                            behaviour_logp_bt=logp_bt, ref_logp_bt=mask_bt, version_bt=version_bt)
+  for name in ("tokens_rw", "behaviour_logp_rw", "version_rw"):
+    np.testing.assert_array_equal(jax.device_get(getattr(rows, name)), getattr(host, name), err_msg=name)
+  streams = link["host_to_device"] - 12 * 16 - 4
+  assert streams == 2 * link["stream_bytes"] and link["stream_bytes"] % 4 == 0
+  assert link["host_to_device_per_device"] - 12 * 16 - 4 == streams / 8   # a quarter of one of 2 groups
+
+
+def test_per_sample_numbers_widen_to_int32_when_they_do_not_fit_16_bits():
+  mesh = make_mesh(MeshConfig(data=-1), jax.devices()[:2])
+  width, prompt_b = 2 ** 16 + 8, np.array([3, 5, 2, 4], np.int32)
+  length_b = np.array([2 ** 16 + 2, 9, 7, 2 ** 15], np.int32)
+  tokens_bt = np.zeros((4, width), np.int32)
+  tokens_bt[np.arange(width)[None] < length_b[:, None]] = 7
+  resp = (np.arange(width)[None] < length_b[:, None]) & (np.arange(width)[None] >= prompt_b[:, None])
+  logp_bt, version_bt = np.where(resp, -0.5, 0).astype(np.float32), np.where(resp, 3, -1).astype(np.int32)
+  layout = packing.plan(length_b, width, (2,), groups=2)
+  rows, link = packed_step.place_rows(mesh, layout, tokens_bt=tokens_bt, behaviour_logp_bt=logp_bt,
+                                      version_bt=version_bt, prompt_len_b=prompt_b, vocab_size=128)
+  np.testing.assert_array_equal(jax.device_get(rows.length_b), length_b)
+  np.testing.assert_array_equal(jax.device_get(rows.tokens_rw), layout.pack(tokens_bt))
+  assert link["host_to_device"] == 2 * link["stream_bytes"] + 6 * 4 * 4 + 4
+
+
+def test_stream_refuses_what_it_cannot_carry():
+  prompt_b, response_b, tokens_bt, logp_bt, version_bt, _ = samples(0)
+  layout = packing.plan(prompt_b + response_b, SEQ_LEN, (16,))
+  fmt = packing.StreamFormat(token_bytes=1, version_bytes=1)
+  with pytest.raises(ValueError, match="token ids must lie in"):
+    packing.pack_stream(layout, 2, fmt, tokens_bt=tokens_bt + 256, version_bt=version_bt,
+                        behaviour_logp_bt=logp_bt, prompt_len_b=prompt_b)
+  with pytest.raises(ValueError, match="prompt is longer"):
+    packing.pack_stream(layout, 2, fmt, tokens_bt=tokens_bt, version_bt=version_bt, behaviour_logp_bt=logp_bt,
+                        prompt_len_b=prompt_b + response_b + 1)
 
 
 def test_rows_cross_once_per_data_parallel_group_and_are_shared_on_the_device():
@@ -122,7 +203,8 @@ def test_packed_reference_logprobs_equal_the_padded_rows():
   padded = jax.device_get(step_lib.make_logprob_fn(cfg, 1.0, mesh, shardings)(params, tokens_bt))
   layout = packing.plan(prompt_b + response_b, SEQ_LEN, packing.row_buckets(16, 2))
   rows, _ = packed_step.place_rows(mesh, layout, tokens_bt=tokens_bt, behaviour_logp_bt=logp_bt,
-                                   version_bt=version_bt, prompt_len_b=prompt_b)
+                                   version_bt=version_bt, prompt_len_b=prompt_b, vocab_size=cfg.vocab_size,
+                                   max_version_span=2)
   positions, segments, _, mask = packed_step.make_row_layout(mesh)(rows)
   packed = packed_step.make_packed_logprob_fn(cfg, 1.0, mesh, shardings)(params, rows.tokens_rw, positions, segments)
   # Compare on the response tokens (what the loss reads); the packed rows' first token of a sample is 0.

@@ -61,6 +61,23 @@ def test_score_ignores_tokens_at_and_after_length(params):
   np.testing.assert_allclose(np.delete(changed, 1), np.delete(base, 1), rtol=0, atol=1e-6)
 
 
+def test_packed_score_equals_the_padded_score(params):
+  # Samples packed several to a row (positions restart, attention within a segment) score as on their
+  # own padded rows; a sample without a row scores NaN.
+  from rl_fusion_jax.train import packing
+  tokens = _tokens(2)
+  layout = packing.plan(LENGTHS, 16, (4,))
+  assert layout.rows_used < len(LENGTHS)                  # some row holds two samples
+  packed = jax.jit(rm.packed_score, static_argnums=0)(
+      CFG, params, layout.pack(tokens), layout.positions_rw(), layout.segment_ids_rw(), layout.row_b,
+      layout.start_b, layout.length_b)
+  np.testing.assert_allclose(np.asarray(packed), np.asarray(SCORE(CFG, params, tokens, LENGTHS)),
+                             rtol=1e-5, atol=1e-5)
+  none = rm.packed_score(CFG, params, layout.pack(tokens), layout.positions_rw(), layout.segment_ids_rw(),
+                         np.where(np.arange(4) == 2, -1, layout.row_b), layout.start_b, layout.length_b)
+  assert np.isnan(np.asarray(none)[2]) and not np.isnan(np.asarray(none)[[0, 1, 3]]).any()
+
+
 def test_head_is_read_at_length_minus_one_via_lm_forward(params):
   # An LM whose body is the reward body and whose head column 3 is the score kernel: its logit 3 at
   # position len_b - 1 is the reward of row b. The other columns are arbitrary.

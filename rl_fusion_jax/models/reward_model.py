@@ -134,6 +134,23 @@ def score(cfg: ModelConfig, params: RewardParams, tokens_bt: Int[Array, "B T"],
   return jnp.einsum("BD,DO->BO", last_bd, kernel_d1, preferred_element_type=F32)[:, 0]
 
 
+def packed_score(cfg: ModelConfig, params: RewardParams, tokens_rw: Int[Array, "R W"],
+                 positions_rw: Int[Array, "R W"], segment_ids_rw: Int[Array, "R W"], row_b: Int[Array, "B"],
+                 start_b: Int[Array, "B"], length_b: Int[Array, "B"]) -> Float[Array, "B"]:
+  """``score`` of samples packed several to a row (``train/packing.py``: sample b at row ``row_b[b]``,
+  columns ``start_b[b]`` to ``start_b[b] + length_b[b]``; positions restart per sample and attention stays
+  within a segment): the head applied to each sample's last token. A sample of length 0 or without a row
+  gives NaN."""
+  check_reward_params(cfg, params)
+  model = decoder.bind(body_config(cfg), params["body"])
+  hidden_rwd = model.hidden(tokens_rw, positions_rw, decoder.attention_mask(positions_rw, segment_ids_rw))
+  valid_b = (row_b >= 0) & (length_b >= 1)
+  last_bd = hidden_rwd[jnp.maximum(row_b, 0), jnp.maximum(start_b + length_b - 1, 0)]
+  kernel_d1 = params["score"]["kernel"].astype(cfg.compute_dtype)
+  score_b = jnp.einsum("BD,DO->BO", last_bd, kernel_d1, preferred_element_type=F32)[:, 0]
+  return jnp.where(valid_b, score_b, jnp.nan)
+
+
 # ------------------------------------------------------------------------------------ checkpoints
 # Shared with `value_model` (a `*ForTokenClassification` head): both are a decoder body without LM head
 # plus `params["score"]`, whose HF tensors are described by a `HeadTensors` table.

@@ -1,10 +1,10 @@
 """The phases of a run: initial policy, supervised warm-up, evaluation, and one synchronous RL step.
 
 Each phase is recorded on the run's timeline under the device group that executes it. The host decodes
-and scores the responses and places the update's batch: with ``optim.pack_rows`` (and no critic, reward
-model or separate aux mesh) as packed rows built from its samples (the reference log-probs and the
-advantage stage then run on packed rows, and nothing comes back); otherwise as padded rows, which the
-packed update with a critic, a reward model or an aux mesh still fetches back to pack. Bytes put and
+and scores the responses and places the update's batch: with ``optim.pack_rows`` (and no critic) as packed
+rows built from its samples (the reference log-probs, the reward model's scores and the advantage stage
+then run on packed rows, on the aux mesh's copy of them in hybrid, and nothing comes back); otherwise as
+padded rows, which the packed update with a critic still fetches back to pack. Bytes put and
 fetched per step are in ``queue/link_bytes/*``, each beside its padded equivalent.
 """
 from __future__ import annotations
@@ -213,6 +213,15 @@ def _on_aux(programs: Programs, on_train_mesh, host):
   return data.to_global(programs.aux_mesh, host)
 
 
+def _rows_on_aux(programs: Programs, per_token, per_sample) -> tuple:
+  """Packed rows' per-token arrays (split over the batch axes) and per-sample arrays (replicated) on the
+  aux mesh: as they are when it is the training mesh, else copied device to device (hybrid)."""
+  if programs.aux_mesh is programs.mesh:
+    return tuple(per_token) + tuple(per_sample)
+  b2, rep = mesh_lib.batch_sharding(programs.aux_mesh, 2), mesh_lib.replicated(programs.aux_mesh)
+  return tuple(distributed.put(x, b2) for x in per_token) + tuple(distributed.put(x, rep) for x in per_sample)
+
+
 def kv_cache_bytes(cfg) -> int:
   """Bytes of the engine's KV cache summed over the rollout devices (each holds an equal, distinct share:
   slots split over data x fsdp, KV heads over tensor), allocated after the switch, freed before training."""
@@ -276,12 +285,16 @@ def _place_packed(setup: Setup, programs: Programs, rollout: Rollout):
   index, response mask) derived on the device, metrics: the packing and the bytes put against the padded
   update's)."""
   lengths = np.asarray(rollout.prompt_len_b) + np.asarray(rollout.response_len_b)
-  layout = packing.plan(lengths, setup.cfg.rollout.seq_len, programs.row_buckets)
+  layout = packing.plan(lengths, setup.cfg.rollout.seq_len, programs.row_buckets,
+                        groups=mesh_lib.batch_shards(programs.mesh))
+  cfg = setup.cfg
   rows, link = packed_step.place_rows(programs.mesh, layout, tokens_bt=rollout.tokens_bt,
                                       behaviour_logp_bt=rollout.logp_bt, version_bt=rollout.version_bt,
-                                      prompt_len_b=rollout.prompt_len_b)
+                                      prompt_len_b=rollout.prompt_len_b, vocab_size=cfg.model.config.vocab_size,
+                                      max_version_span=cfg.stalesync.max_staleness if cfg.stalesync.enabled else 0)
   stats = {"pack/rows": float(layout.num_rows), "pack/rows_used": float(layout.rows_used),
            "pack/padding_frac": float(1 - lengths.sum() / (layout.num_rows * layout.width)),
+           "pack/stream_bytes": link.pop("stream_bytes"), "pack/stream_used_bytes": link.pop("stream_used_bytes"),
            **{f"queue/link_bytes/{k}": v for k, v in link.items()}}
   return rows, programs.row_layout(rows) + (layout,), stats
 
@@ -355,8 +368,8 @@ def _padded_updates(setup: Setup, programs: Programs, state, step: int, batch):
 
 
 def _packed_update(setup: Setup, programs: Programs, state, rollout: Rollout, batch):
-  """The update on packed rows from an assembled padded batch (with a critic, a reward model or a separate
-  aux mesh): the batch is fetched, packed on the host by the samples' real lengths (first-fit decreasing
+  """The update on packed rows from an assembled padded batch (with a critic, whose values and GAE
+  advantages are computed on padded rows): the batch is fetched, packed on the host by the samples' real lengths (first-fit decreasing
   into rows of ``seq_len``, row count bucketed) and sent shard by shard."""
   host = distributed.fetch(batch)
   lengths = np.asarray(rollout.prompt_len_b) + np.asarray(rollout.response_len_b)
@@ -434,19 +447,21 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
   if programs.packed_inputs:     # packed rows straight from the host's samples (no padded batch)
     rows, row_fields, pack_stats = _place_packed(setup, programs, rollout)
     metrics |= pack_stats
-    ref_args = (programs.packed_ref_logprobs, ref_resting, rows.tokens_rw) + row_fields[:2]
+    aux_rows = _rows_on_aux(programs, (rows.tokens_rw,) + row_fields[:2], (rows.row_b, rows.start_b, rows.length_b))
+    ref_args = (programs.packed_ref_logprobs, ref_resting) + aux_rows[:3]
+    rm_args = lambda: (programs.packed_reward_score, programs.reward_model[1]) + aux_rows
   else:
     if device_rollout is None:
       device_rollout = jax.tree.map(lambda x: data.to_global(programs.mesh, x), rollout)
     device_rollout = cut_width(device_rollout, width)
     aux_tokens = _on_aux(programs, device_rollout.tokens_bt, rollout.tokens_bt)
     ref_args = (programs.ref_logprobs, ref_resting, aux_tokens)
+    rm_args = lambda: programs.reward_model + (
+        aux_tokens, _on_aux(programs, None, rollout.prompt_len_b + rollout.response_len_b))
   if cfg.algo.needs_reference:
     ref_call = _AuxCall("reference", programs, timeline, step, *ref_args)
   if programs.reward_model is not None:
-    score_fn, rm_resting = programs.reward_model
-    lengths = _on_aux(programs, None, rollout.prompt_len_b + rollout.response_len_b)
-    rm_call = _AuxCall("reward_model", programs, timeline, step, score_fn, rm_resting, aux_tokens, lengths)
+    rm_call = _AuxCall("reward_model", programs, timeline, step, *rm_args())
   critic = programs.critic
   values_bt = critic.values(device_rollout.tokens_bt) if critic is not None else None
   with timeline.phase("reward", group=d.train_group, step=step):
@@ -463,7 +478,8 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
     ref_logp = ref_call.result()
     metrics |= ref_call.metrics
     if programs.aux_mesh is not programs.mesh:
-      ref_logp = distributed.put(ref_logp, device_rollout.logp_bt.sharding)
+      ref_logp = distributed.put(ref_logp, (rows.behaviour_logp_rw if rows is not None else device_rollout.logp_bt
+                                            ).sharding)
   else:    # unused when kl_coef == 0
     ref_logp = jnp.zeros_like(rows.behaviour_logp_rw if rows is not None else device_rollout.logp_bt)
   ref_s = time.perf_counter() - t0

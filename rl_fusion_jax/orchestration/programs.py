@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -130,7 +131,9 @@ class Programs:
       # With pipeline stages every micro-batch also splits into whole pipeline pieces on every batch shard.
       stages = mesh_lib.num_stages(self.mesh)
       pieces = (cfg.optim.pipeline_micro_batches or stages) if stages > 1 else 1
-      self._row_multiple = packing.row_multiple(mesh_lib.batch_shards(self.mesh) * pieces, cfg.optim.micro_batches)
+      # Rows also split over the aux mesh's batch shards (hybrid: the reference and reward model read them there).
+      shards = math.lcm(mesh_lib.batch_shards(self.mesh) * pieces, mesh_lib.batch_shards(d.aux_mesh))
+      self._row_multiple = packing.row_multiple(shards, cfg.optim.micro_batches)
       self.row_buckets = packing.row_buckets(r.batch_size, self._row_multiple, per_doubling=2)
     # Reference and reward models run on the deployment's aux mesh (the training mesh unless hybrid).
     self.aux_mesh = d.aux_mesh
@@ -140,14 +143,14 @@ class Programs:
     self.ref_logprobs = step_lib.make_logprob_fn(model_cfg, temperature, d.aux_mesh, self.ref_param_shardings,
                                                  d.train_rules)
     # The packed update takes its rows straight from the host's samples (``packed_step.place_rows``): the
-    # reference log-probs and the advantage stage run on the packed rows, no padded batch is assembled.
-    # With a critic, a reward model or a separate aux mesh the padded batch is still assembled and packed.
-    self.packed_inputs = (self.packed_step is not None and not cfg.algo.uses_critic
-                          and setup.reward_model is None and d.aux_mesh is self.mesh)
+    # reference log-probs, the reward model's scores and the advantage stage run on the packed rows (on the
+    # aux mesh in hybrid: the rows are copied there device to device), no padded batch is assembled. With a
+    # critic the padded batch is still assembled and packed on the host.
+    self.packed_inputs = self.packed_step is not None and not cfg.algo.uses_critic
     if self.packed_inputs:
       self.row_layout = packed_step.make_row_layout(self.mesh)
-      self.packed_ref_logprobs = packed_step.make_packed_logprob_fn(model_cfg, temperature, self.mesh,
-                                                                    self.param_shardings, d.train_rules)
+      self.packed_ref_logprobs = packed_step.make_packed_logprob_fn(model_cfg, temperature, d.aux_mesh,
+                                                                    self.ref_param_shardings, d.train_rules)
       b2 = mesh_lib.batch_sharding(self.mesh, 2)
       self.packed_advantages = jax.jit(functools.partial(packed_advantages, cfg),
                                        out_shardings=(b2, mesh_lib.replicated(self.mesh)))
@@ -180,8 +183,8 @@ class Programs:
                        f"split over the {shards} batch shards (data x fsdp)")
     if self.packed_step is not None and not self.packed_inputs:
       raise ValueError(f"config.algo.ppo_epochs={a.ppo_epochs}, mini_batches={a.mini_batches}: several updates "
-                       "per batch on packed rows need the packed rows placed from the host, which a critic, a "
-                       "reward model or fusion.mode=hybrid rule out; set optim.pack_rows=False")
+                       "per batch on packed rows need the packed rows placed from the host, which a critic "
+                       "rules out; set optim.pack_rows=False")
     self.policy_logprobs = step_lib.make_logprob_fn(model_cfg, temperature, self.mesh, self.param_shardings,
                                                     d.train_rules)
     self.bump_version = jax.jit(step_lib.bump_policy_version, donate_argnums=(0,),
@@ -213,6 +216,9 @@ class Programs:
     b1, b2 = mesh_lib.batch_sharding(d.aux_mesh, 1), mesh_lib.batch_sharding(d.aux_mesh, 2)
     fn = jax.jit(functools.partial(reward_model.score, rm_cfg), in_shardings=(shardings, b2, b1),
                  out_shardings=b1)
+    rep = mesh_lib.replicated(d.aux_mesh)
+    self.packed_reward_score = jax.jit(functools.partial(reward_model.packed_score, rm_cfg),
+                                       in_shardings=(shardings, b2, b2, b2, rep, rep, rep), out_shardings=rep)
     return fn, d.place_aux(host_params, shardings)
 
 

@@ -22,8 +22,10 @@ target, when nothing is left, or when the upload is spent and a refill is due. T
 slot's done flag, response length and sample id, the outbox's sample ids and the counters (3 x S + O + 8
 numbers). The finished rows themselves are read after the next chunk is dispatched, so that transfer
 overlaps the decode, and they cross packed: the device concatenates their response tokens, log-probs and
-versions (``slots.pack_finished``) and the host fetches the blocks that hold them and three numbers per
-row (finished, prompt length, response length); prompts are never sent back, and nothing pads a row to
+versions as bytes (``slots.pack_finished``: a token id in as few bytes as the vocabulary needs, the
+log-prob's float32 bits, the version's distance below the chunk's in 2 bytes) and the host fetches the
+blocks that hold them and three numbers per row (finished, prompt length, response length); prompts are
+never sent back, and nothing pads a row to
 ``seq_len`` on the link (``link_bytes/engine_to_host`` against ``..._padded``). Nothing is read back per
 token, and the full slot state never is inside a run. The oldest token version of each in-flight sample is kept on the host from
 the response lengths (each chunk's tokens carry the run's version).
@@ -178,7 +180,8 @@ class Engine:
     self._occupant: list[Request | None] = [None] * cfg.num_slots
     self._queue: collections.deque[Request] = collections.deque()
     self._finished: list[_Finished] = []
-    self._unread: list = []     # (finished entries, their requests, the chunk's packed rows on the device)
+    self._unread: list = []     # (finished entries, their requests, the chunk's packed rows on the device,
+                                # their columns, the chunk's version)
     self._ids: set[int] = set()                  # live samples: queued, in flight, or not yet returned
     self._group_added: collections.Counter = collections.Counter()
     self._group_returned: collections.Counter = collections.Counter()
@@ -490,7 +493,7 @@ class Engine:
     entries = [_Finished((self._chunks, i), r.group_id, None) for i, r in enumerate(out)]
     if entries:
       self._finished.extend(entries)
-      self._unread.append((entries, out, flat, int(columns)))
+      self._unread.append((entries, out, flat, int(columns), policy_version))
     for s in range(self.cfg.num_slots):
       old = self._occupant[s]
       new = None if done_s[s] else by_id[int(sample_id_s[s])]
@@ -558,13 +561,13 @@ class Engine:
     ``stats``: ``link_bytes/engine_to_host`` (bytes fetched) and ``..._padded`` (the same rows at
     ``seq_len``: 3 per-token fields and 4 scalars, as a padded row would be)."""
     seq_len = self.cfg.spec.seq_len
-    for entries, requests, flat, columns in self._unread:
+    for entries, requests, flat, columns, version in self._unread:
       blocks = fetch([self.programs.take_block[size](flat, start) for start, size in slots.block_starts(columns)])
-      flat_3n = np.concatenate(blocks, axis=1)[:, :columns]
       stats["link_bytes/engine_to_host"] += sum(b.nbytes for b in blocks)
       stats["link_bytes/engine_to_host_padded"] += len(entries) * (3 * seq_len + 4) * 4
-      k = len(entries)
-      for f, row in zip(entries, _unpack_rows(flat_3n[:, k:], flat_3n[:, :k].T, requests, seq_len)):
+      unpacked = slots.unpack_finished(np.concatenate(blocks, axis=1)[:, :columns], len(entries), version,
+                                       self.cfg.spec.model.vocab_size, seq_len)
+      for f, row in zip(entries, _unpack_rows(*unpacked, requests, seq_len)):
         f.row = row
       if self.on_finished is not None:
         self.on_finished(_stack([f.row for f in entries], self.cfg.spec.seq_len),
@@ -620,11 +623,10 @@ _ROW_FIELDS = ("tokens_st", "logp_st", "version_st", "prompt_len_s", "response_l
 _SLOT_FIELDS = _ROW_FIELDS + ("forced_len_s",)    # an in-flight row: every SlotState field but done_s
 
 
-def _unpack_rows(flat_3n: np.ndarray, meta_k3: np.ndarray, requests, seq_len: int) -> list[dict]:
+def _unpack_rows(meta_k3: np.ndarray, tokens_n, logp_n, version_n, requests, seq_len: int) -> list[dict]:
   """The per-sample row dicts (``_ROW_FIELDS``, dtypes and padding of the slot state: tokens 0, log-probs 0,
-  versions -1 past the sample) of ``slots.pack_finished``'s responses ``flat_3n`` (tokens, log-prob bits,
-  versions), the rows' ``meta_k3`` (finished, prompt length, response length) and their ``requests``."""
-  logp_n = np.ascontiguousarray(flat_3n[1]).view(np.float32)
+  versions -1 past the sample) of the rows' ``meta_k3`` (finished, prompt length, response length), their
+  responses back to back (``slots.unpack_finished``) and their ``requests``."""
   rows, start = [], 0
   for (finished, prompt_len, response_len), request in zip(meta_k3, requests):
     p, n, prompt = int(prompt_len), int(response_len), request.prompt
@@ -634,8 +636,8 @@ def _unpack_rows(flat_3n: np.ndarray, meta_k3: np.ndarray, requests, seq_len: in
     tokens_t, logp_t = np.zeros((seq_len,), np.int32), np.zeros((seq_len,), np.float32)
     version_t = np.full((seq_len,), -1, np.int32)
     tokens_t[:p] = prompt
-    tokens_t[p:p + n], logp_t[p:p + n], version_t[p:p + n] = (flat_3n[0, start:start + n], logp_n[start:start + n],
-                                                              flat_3n[2, start:start + n])
+    tokens_t[p:p + n], logp_t[p:p + n], version_t[p:p + n] = (tokens_n[start:start + n], logp_n[start:start + n],
+                                                              version_n[start:start + n])
     rows.append({"tokens_st": tokens_t, "logp_st": logp_t, "version_st": version_t, "prompt_len_s": np.int32(p),
                  "response_len_s": np.int32(n), "finished_s": np.bool_(finished),
                  "sample_id_s": np.int32(request.sample_id)})

@@ -29,6 +29,7 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from rl_fusion_jax import models
@@ -146,7 +147,7 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, static
   run time: one compile). The chunk ends after ``steps`` steps, once ``target`` is
   met, when nothing is left to decode or admit, or when the host must upload more requests. Finished
   samples are then all in the outbox, so every done slot is free. Returns (state, cache, the outbox packed
-  by ``pack_finished`` ([3, C]), its sample ids [O], number of outbox rows, the columns of the packed
+  by ``pack_finished`` ([W, C] bytes), its sample ids [O], number of outbox rows, the columns of the packed
   buffer they fill, requests taken from ``pending``, decode steps, tokens sampled, refill prefills, and
   the rows x width they processed).
   """
@@ -224,7 +225,7 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, static
              filling=jnp.zeros((), bool))
   c = _move_done(jax.lax.while_loop(cond, body, c))
   out_ids = c.outbox[:, -1]     # the sample ids (pack_rows' last column): what the host reads of the outbox
-  flat, columns = pack_finished(c.outbox, c.out_n, spec.max_new_tokens)
+  flat, columns = pack_finished(c.outbox, c.out_n, spec.max_new_tokens, version, spec.model.vocab_size)
   return (c.state, c.cache, flat, out_ids, c.out_n, columns, c.ptr, c.step, c.tokens, c.refills, c.refill_tokens)
 
 
@@ -234,16 +235,43 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, static
 PACK_BLOCKS = (1024, 64)
 
 
-def pack_finished(outbox, out_n, max_new_tokens: int):
-  """The outbox's first ``out_n`` rows as the host needs them, without padding -> (flat [3, C] int32, n).
+# Bytes a token's version takes on the wire: its distance below the chunk's version (what a sample can
+# carry from earlier runs is bounded by the staleness bound, far below 2**16).
+VERSION_BYTES = 2
 
-  Columns ``[0, out_n)`` of ``flat`` hold each row's finished flag, prompt length and response length;
-  columns ``[out_n, n)`` the rows' response tokens, log-prob bits and versions, sample after sample (row
-  k's ``response_len`` tokens from its ``prompt_len``); the rest is 0. ``C`` is a multiple of the largest
-  block that holds every row at ``max_new_tokens``. The prompts are not sent back: the host uploaded them.
+
+def _value_bytes(num_values: int) -> int:
+  return next((n for n in (1, 2, 3) if num_values <= 2 ** (8 * n)), 4)
+
+
+@functools.lru_cache(maxsize=None)
+def wire_format(vocab_size: int, seq_len: int) -> tuple[int, int, int]:
+  """(token bytes, length bytes, bytes per column) of ``pack_finished``'s buffer: a response token's
+  column holds its id, its log-prob's float32 bits and its version's distance below the chunk's version
+  (``VERSION_BYTES``); a row's column holds its finished flag, prompt and response lengths."""
+  token, length = _value_bytes(vocab_size), _value_bytes(seq_len + 1)
+  return token, length, max(token + 4 + VERSION_BYTES, 1 + 2 * length)
+
+
+def _le_bytes(x, nbytes: int) -> list:
+  """``x`` (int32) as ``nbytes`` uint8 values, least significant first (two's complement bits)."""
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.uint32)
+  return [((bits >> (8 * i)) & 0xFF).astype(jnp.uint8) for i in range(nbytes)]
+
+
+def pack_finished(outbox, out_n, max_new_tokens: int, version, vocab_size: int):
+  """The outbox's first ``out_n`` rows as the host needs them, without padding -> (bytes [W, C] uint8, n).
+
+  Columns ``[0, out_n)`` hold each row's finished flag, prompt length and response length; columns
+  ``[out_n, n)`` the rows' response tokens, sample after sample (row k's ``response_len`` tokens from its
+  ``prompt_len``), each as its id, its log-prob's float32 bits and ``version`` minus its version; the rest
+  is 0. Every value is little-endian in ``wire_format``'s widths (W bytes a column). ``C`` is a multiple
+  of the largest block that holds every row at ``max_new_tokens``. The prompts are not sent back: the
+  host uploaded them.
   """
   num_rows = outbox.shape[0]
   t = (outbox.shape[1] - 4) // 3
+  token_bytes, length_bytes, width = wire_format(vocab_size, t)
   prompt_o = outbox[:, 3 * t + 1]
   resp_o = jnp.where(jnp.arange(num_rows) < out_n, outbox[:, 3 * t + 2], 0)
   end_o = jnp.cumsum(resp_o, dtype=jnp.int32)
@@ -256,9 +284,32 @@ def pack_finished(outbox, out_n, max_new_tokens: int):
   real_c = (r_c >= 0) & (r_c < end_o[-1])
   col_c = jnp.where(real_c, prompt_o[k_c] + r_c - (end_o[k_c] - resp_o[k_c]), 0)
   row_c = jnp.minimum(i_c, num_rows - 1)
-  field = lambda m, offset: jnp.where(meta_c, outbox[row_c, 3 * t + m],
-                                      jnp.where(real_c, outbox[k_c, offset + col_c], 0))
-  return jnp.stack([field(0, 0), field(1, t), field(2, 2 * t)]), out_n + end_o[-1]
+  token = lambda offset: outbox[k_c, offset + col_c]
+  record = (_le_bytes(token(0), token_bytes) + _le_bytes(token(t), 4)
+            + _le_bytes(version - token(2 * t), VERSION_BYTES))
+  meta = lambda m, nbytes: _le_bytes(outbox[row_c, 3 * t + m], nbytes)
+  row = meta(0, 1) + meta(1, length_bytes) + meta(2, length_bytes)
+  zero = jnp.zeros_like(i_c, jnp.uint8)
+  pad = lambda parts: parts + [zero] * (width - len(parts))
+  return (jnp.stack([jnp.where(meta_c, m, jnp.where(real_c, r, zero)) for m, r in zip(pad(row), pad(record))]),
+          out_n + end_o[-1])
+
+
+def unpack_finished(bytes_wn: np.ndarray, num_rows: int, version: int, vocab_size: int, seq_len: int):
+  """``pack_finished``'s buffer (its first columns, on the host) -> (meta [K, 3] int32: finished, prompt
+  length, response length; tokens [N] int32, log-probs [N] float32, versions [N] int32 of the responses)."""
+  token_bytes, length_bytes, width = wire_format(vocab_size, seq_len)
+  if bytes_wn.shape[0] != width:
+    raise ValueError(f"engine buffer of {bytes_wn.shape[0]} bytes a column; the wire format has {width}")
+  b = bytes_wn.astype(np.uint32)
+  value = lambda rows, cols: sum(b[r, cols] << np.uint32(8 * i) for i, r in enumerate(rows))
+  meta, resp = slice(0, num_rows), slice(num_rows, None)
+  meta_k3 = np.stack([value([0], meta), value(range(1, 1 + length_bytes), meta),
+                      value(range(1 + length_bytes, 1 + 2 * length_bytes), meta)], axis=1).astype(np.int32)
+  tokens = value(range(token_bytes), resp).astype(np.int32)
+  logp = np.ascontiguousarray(value(range(token_bytes, token_bytes + 4), resp).astype(np.uint32)).view(np.float32)
+  distance = value(range(token_bytes + 4, token_bytes + 4 + VERSION_BYTES), resp).astype(np.int64)
+  return meta_k3, tokens, logp, (version - distance).astype(np.int32)
 
 
 def block_starts(n: int) -> list[tuple[int, int]]:
@@ -269,7 +320,7 @@ def block_starts(n: int) -> list[tuple[int, int]]:
 
 
 def take_block(flat, start, size: int):
-  """Columns [start, start + size) of ``pack_finished``'s buffer: [3, size]."""
+  """Columns [start, start + size) of ``pack_finished``'s buffer: [W, size]."""
   return jax.lax.dynamic_slice_in_dim(flat, start, size, axis=1)
 
 

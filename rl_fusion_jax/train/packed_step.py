@@ -208,8 +208,9 @@ def make_packed_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx,
 
 @flax.struct.dataclass
 class PackedRows:
-  """What the host sends for a packed update: the per-token fields as packed rows (split over the batch
-  axes, each shard's rows read once) and, per sample, where it sits (replicated, [B]).
+  """A packed update's samples on the devices: the per-token fields as packed rows (split over the batch
+  axes, rebuilt on the device from what the host sent, ``place_rows``) and, per sample, where it sits
+  (replicated, [B]).
   Everything else of the rows (positions, segment ids, sample index, response mask) is derived on the
   device by ``row_layout``."""
   tokens_rw: jax.Array           # int32 [R, W]
@@ -222,37 +223,92 @@ class PackedRows:
   segment_b: jax.Array           # int32 [B], 1.. in its row's column order
 
 
-def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_bt, version_bt, prompt_len_b
-               ) -> tuple[PackedRows, dict[str, float]]:
+def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_bt, version_bt, prompt_len_b,
+               vocab_size: int, max_version_span: int = 0) -> tuple[PackedRows, dict[str, float]]:
   """Host samples (right-padded rows, any width >= their lengths) -> ``PackedRows`` on ``mesh``, and the
-  bytes put: ``host_to_device`` (what crossed, once per data-parallel group), ``host_to_device_padded``
-  (the same three per-token fields as [B, step.train_width] rows plus the same per-sample numbers: what
-  the padded update places) and ``host_to_device_per_device`` (the most one device was sent: its part of
-  its group's rows, ``global_batch_once_per_group``, and the replicated per-sample numbers)."""
-  if layout.num_rows % batch_shards(mesh):
-    raise ValueError(f"{layout.num_rows} packed rows do not split over data*fsdp={batch_shards(mesh)} "
+  bytes put.
+
+  What crosses is each data-parallel group's ``packing.Stream``: its samples' real tokens
+  (``packing.value_bytes(vocab_size)`` bytes each), their response tokens' behaviour log-probs (float32
+  bits) and versions (above the batch's lowest, in ``value_bytes(max_version_span + 1)`` bytes, more where
+  the batch's span needs them), back to
+  back, the stream length bucketed; no row padding and no prompt log-probs or versions cross; the
+  per-sample numbers cross as 16-bit values where they fit. A group's
+  stream is sent once (``global_batch_once_per_group``) and rebuilt into the group's rows on the device
+  (``rows_from_stream``): the rows ``layout.pack`` builds on the host. Take ``layout`` from
+  ``packing.plan(..., groups=batch_shards(mesh))`` so the groups' streams are alike in length.
+  Bytes: ``host_to_device`` (the streams, once per group, and 6 numbers per sample + 1), its padded
+  equivalent ``host_to_device_padded`` (tokens, log-probs and versions as int32 / float32
+  [B, step.train_width] rows, what the padded update places, and the same per-sample numbers) and
+  ``host_to_device_per_device`` (the most one device was sent: its part of its group's stream and the
+  replicated per-sample numbers); ``stream_bytes`` (each group's stream length) and ``stream_used_bytes``
+  (the bytes holding samples, all groups)."""
+  groups = batch_shards(mesh)
+  if layout.num_rows % groups:
+    raise ValueError(f"{layout.num_rows} packed rows do not split over data*fsdp={groups} "
                      "batch shards; take the row buckets from packing.row_multiple")
-  per_device = []
-
-  def rows_fn(x_rw):
-    array, most = global_batch_once_per_group(batch_sharding(mesh, 2), x_rw.shape, x_rw.dtype,
-                                              lambda a, b: x_rw[a:b])
-    per_device.append(most)
-    return array
-
-  token = lambda name, x, dtype: rows_fn(layout.pack(np.asarray(x, dtype), packing.PAD[name]))
-  i32 = lambda x: np.asarray(x, np.int32)
-  per_sample = dict(row_b=i32(layout.row_b), start_b=i32(layout.start_b), length_b=i32(layout.length_b),
-                    prompt_len_b=i32(prompt_len_b), segment_b=i32(layout.segment_b()))
-  rows = PackedRows(tokens_rw=token("tokens", tokens_bt, np.int32),
-                    behaviour_logp_rw=token("behaviour_logp", behaviour_logp_bt, np.float32),
-                    version_rw=token("version", version_bt, np.int32),
-                    **jax.device_put(per_sample, replicated(mesh)))
-  sample_bytes = sum(x.nbytes for x in per_sample.values())
+  per_group_devices = mesh.size // groups
+  fmt = packing.StreamFormat(packing.value_bytes(vocab_size), packing.value_bytes(max_version_span + 1))
+  stream = packing.pack_stream(layout, groups, fmt, tokens_bt=tokens_bt, behaviour_logp_bt=behaviour_logp_bt,
+                               version_bt=version_bt, prompt_len_b=prompt_len_b, multiple=per_group_devices)
+  # [G * C, N / C]: each of a group's C devices is sent a distinct C-th of its stream, gathered on the device.
+  data = stream.bytes_gn.reshape(groups * per_group_devices, -1)
+  data, most = global_batch_once_per_group(batch_sharding(mesh, 2), data.shape, data.dtype,
+                                           lambda a, b: data[a:b])
+  # Per sample: row + 1 (0: empty), start, length, prompt length, segment id, stream offset, in 16 bits
+  # where every value fits (int32 otherwise).
+  table = np.stack([layout.row_b + 1, layout.start_b, layout.length_b, np.asarray(prompt_len_b, np.int64),
+                    layout.segment_b(), stream.offset_b])
+  table = table.astype(np.uint16 if table.max(initial=0) < 2 ** 16 else np.int32)
+  table_dev, base = jax.device_put((table, np.int32(stream.version_base)), replicated(mesh))
+  rows = _rows_from_stream_fn(mesh, layout.num_rows, layout.width, stream.fmt)(data, table_dev, base)
+  sample_bytes = table.nbytes + 4
   width = step_lib.train_width(int(layout.length_b.max(initial=0)), layout.width)
-  return rows, {"host_to_device": float(3 * 4 * layout.num_rows * layout.width + sample_bytes),
+  return rows, {"stream_bytes": float(stream.bytes_gn.shape[1]), "stream_used_bytes": float(stream.used_bytes),
+                "host_to_device": float(stream.bytes_gn.nbytes + sample_bytes),
                 "host_to_device_padded": float(3 * 4 * len(layout.length_b) * width + sample_bytes),
-                "host_to_device_per_device": float(sum(per_device) + sample_bytes)}
+                "host_to_device_per_device": float(most + sample_bytes)}
+
+
+def rows_from_stream(data_xl, table_6b, version_base, *, num_rows: int, width: int, groups: int,
+                     fmt: packing.StreamFormat) -> PackedRows:
+  """Groups' ``packing.Stream`` bytes ([G * C, N / C], group-major) and the per-sample table (row + 1,
+  start, length, prompt length, segment id, stream offset; [6, B]) -> ``PackedRows``: the token fields
+  [num_rows, width] as ``packing.Layout`` lays them out, ``packing.PAD`` outside the samples and 0.0 / -1
+  on prompt tokens (as in ``Rollout``). Row r reads its group's stream (group r // (num_rows / groups))."""
+  row_b, start_b, length_b, prompt_len_b, segment_b, offset_b = table_6b.astype(jnp.int32)
+  row_b = row_b - 1
+  data_gn = data_xl.reshape(groups, -1).astype(jnp.uint32)
+  n = data_gn.shape[1]
+  k_rw, pos_rw, inside = _covering(num_rows, width, row_b, start_b, length_b)
+  prompt_rw, offset_rw, length_rw = prompt_len_b[k_rw], offset_b[k_rw], length_b[k_rw]
+  response = inside & (pos_rw >= prompt_rw)
+  j_rw = pos_rw - prompt_rw
+
+  def value(at_rw, nbytes: int):    # little-endian, nbytes from at_rw in the row's group stream
+    out = None
+    for i in range(nbytes):
+      index_gm = jnp.clip(at_rw + i, 0, n - 1).reshape(groups, -1)
+      byte = jnp.take_along_axis(data_gn, index_gm, axis=1).reshape(num_rows, width) << (8 * i)
+      out = byte if out is None else out | byte
+    return out
+
+  tb, vb = fmt.token_bytes, fmt.version_bytes
+  base = offset_rw + tb * length_rw
+  bits = value(base + 4 * j_rw, 4)
+  version = value(base + 4 * (length_rw - prompt_rw) + vb * j_rw, vb).astype(jnp.int32) + version_base
+  return PackedRows(tokens_rw=jnp.where(inside, value(offset_rw + tb * pos_rw, tb), 0).astype(jnp.int32),
+                    behaviour_logp_rw=jnp.where(response, jax.lax.bitcast_convert_type(bits, jnp.float32), 0.0),
+                    version_rw=jnp.where(response, version, -1), row_b=row_b, start_b=start_b, length_b=length_b,
+                    prompt_len_b=prompt_len_b, segment_b=segment_b)
+
+
+@functools.lru_cache(maxsize=32)
+def _rows_from_stream_fn(mesh: Mesh, num_rows: int, width: int, fmt: packing.StreamFormat):
+  b2, rep = batch_sharding(mesh, 2), replicated(mesh)
+  fn = functools.partial(rows_from_stream, num_rows=num_rows, width=width, groups=batch_shards(mesh), fmt=fmt)
+  return jax.jit(fn, in_shardings=(b2, rep, rep),
+                 out_shardings=PackedRows(b2, b2, b2, rep, rep, rep, rep, rep))
 
 
 def _covering(num_rows: int, width: int, row_k, start_k, length_k):

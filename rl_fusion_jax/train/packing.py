@@ -179,10 +179,19 @@ def source_map(full: Layout, sub: Layout, indices_k) -> Int[np.ndarray, "R W"]:
   return out_rw
 
 
-def plan(length_b: Int[np.ndarray, "B"], width: int, buckets) -> Layout:
-  """Places every sample (first-fit decreasing) and pads the row count up to the smallest fitting bucket."""
+def plan(length_b: Int[np.ndarray, "B"], width: int, buckets, groups: int = 1) -> Layout:
+  """Places every sample (first-fit decreasing) and pads the row count up to the smallest fitting bucket.
+
+  With ``groups`` > 1 (data-parallel groups, each taking an equal block of rows) the filled rows are dealt
+  round robin over the groups (first-fit row i to row ``(i % groups) * R/groups + i // groups``), so every
+  group holds about as many tokens, and the padding rows of the bucket are shared alike."""
   row_b, start_b, used = first_fit_decreasing(length_b, width)
-  return Layout(row_b, start_b, np.asarray(length_b, np.int64), choose_rows(used, buckets), width, used)
+  num_rows = choose_rows(used, buckets)
+  if groups > 1:
+    if num_rows % groups:
+      raise ValueError(f"{num_rows} rows do not split over {groups} groups")
+    row_b = np.where(row_b >= 0, (row_b % groups) * (num_rows // groups) + row_b // groups, -1)
+  return Layout(row_b, start_b, np.asarray(length_b, np.int64), num_rows, width, used)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,3 +236,109 @@ def lengths_from_mask(mask_bt: Float[np.ndarray, "B T"]) -> Int[np.ndarray, "B"]
   mask_bt = np.asarray(mask_bt) != 0
   last = mask_bt.shape[1] - np.argmax(mask_bt[:, ::-1], axis=1)
   return np.where(mask_bt.any(axis=1), last, 0).astype(np.int64)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The wire format of packed samples host -> device: one flat byte stream per data-parallel group, real
+# tokens only (no row padding, no prompt log-probs or versions), rebuilt into rows on the device
+# (``packed_step.place_rows``).
+# ----------------------------------------------------------------------------------------------------
+
+STREAM_DTYPE = np.uint8
+
+
+def value_bytes(num_values: int) -> int:
+  """Bytes an unsigned value below ``num_values`` takes on the wire (1 to 4)."""
+  for n in (1, 2, 3):
+    if num_values <= 2 ** (8 * n):
+      return n
+  return 4
+
+
+def stream_length(used: int, multiple: int, unit: int = 256) -> int:
+  """A group's stream length for ``used`` bytes: ``unit * multiple`` times the smallest ceil(2^(k/4)) that
+  holds them (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 23, 27, 32, ...: at most 1/4 more than needed
+  beyond the first few, so the stream program compiles once per length met and a few cover a run)."""
+  step = unit * multiple
+  need, k = max(1, math.ceil(used / step)), 0
+  while math.ceil(2 ** (k / 4) - 1e-9) < need:
+    k += 1
+  return step * math.ceil(2 ** (k / 4) - 1e-9)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamFormat:
+  """Bytes per token id (``value_bytes(vocab_size)``) and per version (above the batch's lowest)."""
+  token_bytes: int
+  version_bytes: int
+
+  def sample_bytes(self, length_b, prompt_len_b) -> np.ndarray:
+    """Bytes each sample takes: its tokens, then 4 (float32 log-prob bits) + ``version_bytes`` per
+    response token."""
+    length_b, prompt_len_b = np.asarray(length_b, np.int64), np.asarray(prompt_len_b, np.int64)
+    return (self.token_bytes * length_b
+            + (4 + self.version_bytes) * np.where(length_b > 0, length_b - prompt_len_b, 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+  """Per group g (rows ``g * R/G`` to ``(g + 1) * R/G``), ``bytes_gn[g]`` holds its samples in sample
+  order, each as: its token ids, the float32 bits of its response tokens' behaviour log-probs, its
+  response tokens' versions minus ``version_base`` (every value little-endian, in ``StreamFormat``'s
+  widths); zeros after the last sample."""
+  bytes_gn: np.ndarray         # uint8 [G, N]
+  offset_b: np.ndarray         # int64 [B]: where sample b starts in its group's stream
+  version_base: int
+  used_bytes: int              # bytes holding samples, summed over the groups
+  fmt: StreamFormat            # the format asked for, its versions widened where they did not fit
+
+
+def group_offsets(layout: Layout, groups: int, bytes_b) -> tuple[np.ndarray, np.ndarray]:
+  """(group of each sample, -1 for an empty one; where it starts in its group's stream: the bytes of the
+  samples before it in the same group)."""
+  if layout.num_rows % groups:
+    raise ValueError(f"{layout.num_rows} rows do not split over {groups} data-parallel groups")
+  group_b = np.where(layout.row_b >= 0, layout.row_b // (layout.num_rows // groups), -1)
+  offset_b = np.zeros(len(group_b), np.int64)
+  for g in range(groups):
+    mine = np.flatnonzero(group_b == g)
+    offset_b[mine] = np.cumsum(bytes_b[mine]) - bytes_b[mine]
+  return group_b, offset_b
+
+
+def _put(out, g, at, values, width: int, what: str):
+  values = np.asarray(values, np.int64)
+  if values.size and (values.min() < 0 or values.max() >= 2 ** (8 * width)):
+    raise ValueError(f"{what} must lie in [0, 2**{8 * width}) to cross in {width} byte(s); got "
+                     f"{values.min()}..{values.max()}")
+  for w in range(width):
+    out[g, at + w] = (values >> (8 * w)) & 0xFF
+
+
+def pack_stream(layout: Layout, groups: int, fmt: StreamFormat, *, tokens_bt, behaviour_logp_bt, version_bt,
+                prompt_len_b, multiple: int = 1) -> Stream:
+  """Samples (right-padded rows) -> their ``Stream``: each group's bytes, the stream length bucketed
+  (``stream_length``, a multiple of ``multiple``)."""
+  length_b, prompt_b = layout.length_b, np.asarray(prompt_len_b, np.int64)
+  bad = (prompt_b > length_b) & (length_b > 0)
+  if bad.any():
+    raise ValueError(f"sample {int(np.argmax(bad))}: its prompt is longer than the sample")
+  sample, offset, _, _ = layout._token_index()
+  response = offset >= prompt_b[sample]
+  s, j = sample[response], offset[response] - prompt_b[sample[response]]
+  version = np.asarray(version_bt, np.int64)[s, prompt_b[s] + j]
+  version_base = int(version.min()) if version.size else 0
+  # Versions wider than the format expects (a span beyond the staleness bound it was sized for) widen it.
+  fmt = dataclasses.replace(fmt, version_bytes=max(fmt.version_bytes,
+                                                   value_bytes(int(version.max(initial=version_base)) - version_base + 1)))
+  bytes_b = fmt.sample_bytes(length_b, prompt_b)
+  group_b, offset_b = group_offsets(layout, groups, bytes_b)
+  per_group = np.bincount(group_b[group_b >= 0], bytes_b[group_b >= 0], minlength=groups).astype(np.int64)
+  out = np.zeros((groups, stream_length(int(per_group.max(initial=0)), multiple)), STREAM_DTYPE)
+  tb, vb = fmt.token_bytes, fmt.version_bytes
+  _put(out, group_b[sample], offset_b[sample] + tb * offset, np.asarray(tokens_bt)[sample, offset], tb, "token ids")
+  g, base, r = group_b[s], offset_b[s] + tb * length_b[s], length_b[s] - prompt_b[s]
+  bits = np.ascontiguousarray(np.asarray(behaviour_logp_bt, np.float32)[s, prompt_b[s] + j]).view(np.uint32)
+  _put(out, g, base + 4 * j, bits, 4, "log-prob bits")
+  _put(out, g, base + 4 * r + vb * j, version - version_base, vb, "versions above the batch's lowest")
+  return Stream(out, offset_b, version_base, int(per_group.sum()), fmt)
