@@ -211,3 +211,47 @@ def test_packed_reference_logprobs_equal_the_padded_rows():
   unpacked = layout.unpack(jax.device_get(packed), SEQ_LEN)
   np.testing.assert_allclose(unpacked * mask_bt, padded * mask_bt, rtol=1e-5, atol=1e-5)
   assert float(jnp.sum(mask)) == mask_bt.sum()
+
+
+@pytest.mark.parametrize("kl_mode", ["loss", "reward"])
+def test_packed_gae_stage_equals_the_padded_one(kl_mode):
+  # Rows hold several responses, each followed by the next sample's prompt (mask 0): GAE restarts at every
+  # response's end as on padded rows, so advantages (whitened), returns and stats are the padded ones.
+  prompt_b, response_b, tokens_bt, logp_bt, version_bt, mask_bt = samples(11)
+  rng = np.random.default_rng(2)
+  ref_bt = np.where(mask_bt > 0, logp_bt - 0.3 * rng.random(logp_bt.shape), 0).astype(np.float32)
+  values_bt = np.where(mask_bt > 0, rng.normal(size=logp_bt.shape), 0).astype(np.float32)
+  rewards_b = rng.random(16).astype(np.float32)
+  kw = dict(advantage="gae", kl_coef=0.1, kl_estimator="k3", kl_mode=kl_mode,
+            advantage_hparams={"gamma": 0.99, "lam": 0.9})
+  rollout = Rollout(tokens_bt=tokens_bt, prompt_len_b=prompt_b, response_len_b=response_b, logp_bt=logp_bt,
+                    version_bt=version_bt, finished_b=np.ones(16, bool), sample_id_b=np.arange(16, dtype=np.int32))
+  padded, padded_stats, padded_returns = algo_batch.train_batch_gae(rollout, rewards_b, ref_bt, values_bt, **kw)
+  layout = packing.plan(prompt_b + response_b, SEQ_LEN, (16,))
+  assert layout.rows_used < 16                                 # rows hold several samples
+  host = packing.pack_batch(layout, tokens_bt=tokens_bt, mask_bt=mask_bt, advantages_bt=np.asarray(padded.advantages_bt),
+                            behaviour_logp_bt=logp_bt, ref_logp_bt=ref_bt, version_bt=version_bt)
+  adv_rw, stats, returns_rw = algo_batch.packed_train_batch_gae(
+      host.sample_rw, host.mask_rw, host.behaviour_logp_rw, host.ref_logp_rw, rewards_b, layout.pack(values_bt),
+      **kw)
+  np.testing.assert_allclose(adv_rw, host.advantages_rw, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(layout.unpack(np.asarray(returns_rw), SEQ_LEN), padded_returns, rtol=1e-5, atol=1e-5)
+  assert set(stats) == set(padded_stats)
+  for key in stats:
+    np.testing.assert_allclose(stats[key], padded_stats[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_packed_values_equal_the_padded_rows():
+  from rl_fusion_jax.models import value_model
+  cfg = tiny_model_config()
+  params = value_model.init_value_params(cfg, jax.random.key(0), init_std=0.3)
+  prompt_b, response_b, tokens_bt, _, _, mask_bt = samples(4)
+  tokens_bt = tokens_bt % cfg.vocab_size
+  padded = np.asarray(value_model.values(cfg, params, tokens_bt))
+  layout = packing.plan(prompt_b + response_b, SEQ_LEN, (16,))
+  packed = value_model.packed_values(cfg, params, layout.pack(tokens_bt), layout.positions_rw(),
+                                     layout.segment_ids_rw())
+  inside = np.arange(SEQ_LEN)[None] < (prompt_b + response_b)[:, None]
+  np.testing.assert_allclose(layout.unpack(np.asarray(packed), SEQ_LEN) * inside, padded * inside,
+                             rtol=1e-5, atol=1e-5)
+  assert np.abs(padded * mask_bt).max() > 0.1                 # the values are not all 0

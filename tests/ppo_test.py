@@ -46,6 +46,36 @@ def test_ppo_runs_trains_the_critic_and_resumes_exactly(tmp_path):
     assert again[2][key] == rows[2][key], key
 
 
+def test_ppo_on_packed_rows_equals_the_padded_rows(tmp_path):
+  # With optim.pack_rows the critic's values, GAE and the critic's update run on packed rows (no padded
+  # batch): every step equals the padded run's to rounding.
+  ppo = {**PPO, "algo.kl_coef": 0.1, "algo.kl_mode": "reward"}
+  loop.run(tiny(**ppo), str(tmp_path / "padded"))
+  loop.run(tiny(**ppo, **{"optim.pack_rows": True}), str(tmp_path / "packed"))
+  padded, packed = rl_rows(tmp_path / "padded"), rl_rows(tmp_path / "packed")
+  assert len(packed) == len(padded) == 3 and all("pack/rows" in r for r in packed)
+  for a, b in zip(padded, packed):
+    for key in ("loss", "grad_norm", "return_mean", "value_old_mean", "advantage_abs_mean", "critic/value_loss",
+                "critic/grad_norm", "critic/value_explained_var"):
+      assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (a["step"], key)
+
+
+def test_ppo_epochs_on_packed_rows_with_a_critic(tmp_path):
+  # Two epochs of two mini-batches with GAE advantages, padded and packed: one policy version per batch,
+  # the critic one step per batch, and the packed run's first step the padded one's.
+  over = {**PPO, "algo.kl_coef": 0.1, "algo.kl_mode": "reward", "rollout.num_prompts": 8, "run.steps": 2,
+          "algo.ppo_epochs": 2, "algo.mini_batches": 2}
+  loop.run(tiny(**over), str(tmp_path / "padded"))
+  loop.run(tiny(**over, **{"optim.pack_rows": True}), str(tmp_path / "packed"))
+  padded, packed = rl_rows(tmp_path / "padded"), rl_rows(tmp_path / "packed")
+  for rows in (padded, packed):
+    assert [r["policy_version"] for r in rows] == [1.0, 2.0]
+    assert all(r["nonfinite"] == 0.0 and r["critic/nonfinite"] == 0.0 for r in rows)
+  for key in ("loss", "grad_norm", "ppo/epoch0/loss", "ppo/epoch1/loss", "ppo/epoch1/kl_proximal", "return_mean",
+              "critic/value_loss", "critic/grad_norm"):
+    assert packed[0][key] == pytest.approx(padded[0][key], rel=1e-4, abs=1e-5), key
+
+
 @pytest.mark.parametrize("mode,params_on_host,opt_on_host", [
     ("colocated", False, True), ("full", True, True), ("separated", False, False)])
 def test_critic_rests_where_the_mode_says_while_generating(mode, params_on_host, opt_on_host):

@@ -103,3 +103,36 @@ def packed_train_batch(sample_rw: Int[Array, "r w"], mask_rw: Float[Array, "r w"
   adv_b = registry.get_advantage_fn(advantage)(rewards_b, group_size, **(advantage_hparams or {}))
   stats["advantage_abs_mean"] = jnp.mean(jnp.abs(adv_b))
   return adv_b[jnp.maximum(sample_rw, 0)] * mask_rw, stats
+
+
+def packed_train_batch_gae(sample_rw: Int[Array, "r w"], mask_rw: Float[Array, "r w"],
+                           behaviour_logp_rw: Float[Array, "r w"], ref_logp_rw: Float[Array, "r w"],
+                           rewards_b: Float[Array, "b"], values_rw: Float[Array, "r w"], *, advantage: str,
+                           kl_coef: float, kl_estimator: str, kl_mode: str, advantage_hparams=None
+                           ) -> tuple[Float[Array, "r w"], dict[str, Array], Float[Array, "r w"]]:
+  """``train_batch_gae``'s advantage stage on packed rows -> (advantages_rw whitened, stats, returns_rw).
+
+  Each sample's reward goes on its last response token (``rewards_b[sample_rw]`` where the next position
+  is outside the mask). The token estimator runs on the rows as they are: a row holds several responses,
+  each followed by the next sample's prompt or padding (mask 0), and an estimator that stops its
+  recursion where the mask ends (GAE: ``m_{t+1}``) treats each as its own episode, as on padded rows.
+  """
+  num_samples = rewards_b.shape[0]
+  stats = {}
+  mask = mask_rw != 0
+  last_rw = mask & ~jnp.concatenate([mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=1)
+  token_rewards_rw = jnp.where(last_rw, rewards_b.astype(jnp.float32)[jnp.maximum(sample_rw, 0)], 0.0)
+  if kl_coef > 0:
+    kl_rw = registry.get_kl_estimator(kl_estimator)(behaviour_logp_rw, ref_logp_rw) * mask_rw
+    kl_b = jax.ops.segment_sum(kl_rw.reshape(-1), jnp.where(sample_rw < 0, num_samples, sample_rw).reshape(-1),
+                               num_segments=num_samples + 1)[:num_samples]
+    stats["kl_seq"] = jnp.mean(kl_b)
+    if kl_mode == "reward":
+      token_rewards_rw = token_rewards_rw - kl_coef * kl_rw
+  adv_rw, returns_rw = registry.get_token_advantage_fn(advantage)(token_rewards_rw, values_rw, mask_rw,
+                                                                  **(advantage_hparams or {}))
+  n = jnp.maximum(jnp.sum(mask_rw), 1.0)
+  stats["advantage_abs_mean"] = jnp.sum(jnp.abs(adv_rw) * mask_rw) / n
+  stats["return_mean"] = jnp.sum(returns_rw * mask_rw) / n
+  stats["value_old_mean"] = jnp.sum(values_rw * mask_rw) / n
+  return masked_whiten(adv_rw, mask_rw), stats, returns_rw

@@ -117,6 +117,24 @@ def values(cfg: ModelConfig, params: ValueParams, tokens_bt: Int[Array, "B T"]) 
   return jnp.pad(values_bt, ((0, 0), (1, 0)))
 
 
+def packed_values(cfg: ModelConfig, params: ValueParams, tokens_rw: Int[Array, "R W"],
+                  positions_rw: Int[Array, "R W"], segment_ids_rw: Int[Array, "R W"]) -> Float[Array, "R W"]:
+  """``values`` of samples packed several to a row (``train/packing.py``: positions restart per sample,
+  attention stays within a segment): values_rw[:, w] = head(h[:, w - 1]) within the sample, 0 where a
+  sample starts (position 0) and on padding, as each sample's values on its own padded row."""
+  check_value_params(cfg, params)
+  r, w = tokens_rw.shape
+  if w < 2:
+    return jnp.zeros((r, w), F32)
+  model = decoder.bind(rm.body_config(cfg), params["body"])
+  pos, seg = positions_rw[:, :-1], segment_ids_rw[:, :-1]
+  hidden_rwd = model.hidden(tokens_rw[:, :-1], pos, decoder.attention_mask(pos, seg))
+  kernel_d1 = params["score"]["kernel"].astype(cfg.compute_dtype)
+  values_rw = jnp.einsum("RWD,DO->RWO", hidden_rwd, kernel_d1, preferred_element_type=F32)[..., 0]
+  values_rw = jnp.pad(values_rw + params["score"]["bias"].astype(F32), ((0, 0), (1, 0)))
+  return jnp.where(positions_rw == 0, 0.0, values_rw)
+
+
 # ------------------------------------------------------------------------------------ checkpoints
 
 

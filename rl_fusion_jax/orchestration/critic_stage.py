@@ -2,7 +2,8 @@
 
 The critic is a value model (``models/value_model.py``) with its own TrainState on the training mesh, in
 the training layout (``sharding/rules.py`` TRAIN_RULES over ``value_model.value_logical_axes``). It is
-used twice per RL step, both in the train phase: ``values`` (the rollout-time values GAE needs) and
+used twice per RL step, both in the train phase: ``values`` / ``packed_values`` (the rollout-time values
+GAE needs, of padded or packed rows) and
 ``update`` (one regression step on the GAE returns, ``train/critic.py``). Between train phases it rests
 where the deployment says (``park`` before the generation phase, ``unpark`` after it):
 
@@ -62,6 +63,8 @@ class CriticStage:
     self.step_fn = critic_lib.make_critic_step(model_cfg, clip, placement.tx, micro, deployment.train_mesh,
                                                placement.state_shardings)
     self.value_fn = critic_lib.make_value_fn(model_cfg, deployment.train_mesh, placement.param_shardings)
+    self.packed_value_fn = critic_lib.make_packed_value_fn(model_cfg, deployment.train_mesh,
+                                                           placement.param_shardings)
     self.state: state_lib.TrainState | None = None
     self.parked = False
 
@@ -129,7 +132,13 @@ class CriticStage:
       raise RuntimeError("critic: values() while parked; unpark() first")
     return self.value_fn(self.state.params, tokens_bt)
 
-  def update(self, batch: critic_lib.CriticBatch) -> dict:
+  def packed_values(self, tokens_rw, positions_rw, segment_ids_rw):
+    """float32 [R, W] rollout-time values of packed rows (dispatched, not waited for)."""
+    if self.parked:
+      raise RuntimeError("critic: packed_values() while parked; unpark() first")
+    return self.packed_value_fn(self.state.params, tokens_rw, positions_rw, segment_ids_rw)
+
+  def update(self, batch: critic_lib.CriticBatch | critic_lib.PackedCriticBatch) -> dict:
     """One regression step; returns the metrics (device scalars), ``critic/``-prefixed."""
     if self.parked:
       raise RuntimeError("critic: update() while parked; unpark() first")

@@ -1,10 +1,10 @@
 """The phases of a run: initial policy, supervised warm-up, evaluation, and one synchronous RL step.
 
 Each phase is recorded on the run's timeline under the device group that executes it. The host decodes
-and scores the responses and places the update's batch: with ``optim.pack_rows`` (and no critic) as packed
-rows built from its samples (the reference log-probs, the reward model's scores and the advantage stage
-then run on packed rows, on the aux mesh's copy of them in hybrid, and nothing comes back); otherwise as
-padded rows, which the packed update with a critic still fetches back to pack. Bytes put and
+and scores the responses and places the update's batch: with ``optim.pack_rows`` as packed rows built
+from its samples (the reference log-probs, the reward model's scores, a critic's values, the advantage
+stage and the critic's update then run on packed rows, the aux models on the aux mesh's copy of them in
+hybrid, and nothing comes back); otherwise as padded rows. Bytes put and
 fetched per step are in ``queue/link_bytes/*``, each beside its padded equivalent.
 """
 from __future__ import annotations
@@ -300,19 +300,25 @@ def _place_packed(setup: Setup, programs: Programs, rollout: Rollout):
 
 
 def _packed_rows_update(setup: Setup, programs: Programs, state, step: int, rows, row_fields, ref_logp_rw,
-                        rewards):
-  """The advantage stage and the update(s) on packed rows -> (state, train metrics, batch stats)."""
+                        rewards, values_rw=None):
+  """The advantage stage and the update(s) on packed rows -> (state, train metrics, batch stats, the
+  critic's returns: None without ``values_rw``, its values of the rows)."""
   positions_rw, segment_ids_rw, sample_rw, mask_rw, layout = row_fields
   rewards_b = distributed.put(np.asarray(rewards, np.float32), rows.row_b.sharding)
-  advantages_rw, batch_stats = programs.packed_advantages(sample_rw, mask_rw, rows.behaviour_logp_rw, ref_logp_rw,
-                                                          rewards_b)
+  returns_rw = None
+  if values_rw is None:
+    advantages_rw, batch_stats = programs.packed_advantages(sample_rw, mask_rw, rows.behaviour_logp_rw,
+                                                            ref_logp_rw, rewards_b)
+  else:
+    advantages_rw, batch_stats, returns_rw = programs.packed_gae(sample_rw, mask_rw, rows.behaviour_logp_rw,
+                                                                 ref_logp_rw, rewards_b, values_rw)
   batch = packed_step.PackedTrainBatch(
       tokens_rw=rows.tokens_rw, positions_rw=positions_rw, segment_ids_rw=segment_ids_rw, mask_rw=mask_rw,
       advantages_rw=advantages_rw, behaviour_logp_rw=rows.behaviour_logp_rw, ref_logp_rw=ref_logp_rw,
       version_rw=rows.version_rw)
   if not programs.several_updates:
     state, train_metrics = guarded_update(programs.packed_step, state, batch)
-    return state, train_metrics, batch_stats
+    return state, train_metrics, batch_stats, returns_rw
   batch = batch.replace(proximal_logp_rw=programs.policy_packed_logprobs(state.params, rows.tokens_rw, positions_rw,
                                                                          segment_ids_rw))
   seq_len, rep = setup.cfg.rollout.seq_len, rows.row_b.sharding
@@ -324,7 +330,7 @@ def _packed_rows_update(setup: Setup, programs: Programs, state, step: int, rows
 
   state, train_metrics = several_updates(setup, programs, state, step, len(layout.length_b), select,
                                          programs.packed_step_prox)
-  return state, train_metrics, batch_stats
+  return state, train_metrics, batch_stats, returns_rw
 
 
 def several_updates(setup: Setup, programs: Programs, state, step: int, num_samples: int, select, update):
@@ -365,23 +371,6 @@ def _padded_updates(setup: Setup, programs: Programs, state, step: int, batch):
   rep = mesh_lib.replicated(programs.mesh)
   select = lambda indices: programs.take_rows(batch, distributed.put(np.asarray(indices, np.int32), rep))
   return several_updates(setup, programs, state, step, batch.tokens_bt.shape[0], select, programs.train_step_prox)
-
-
-def _packed_update(setup: Setup, programs: Programs, state, rollout: Rollout, batch):
-  """The update on packed rows from an assembled padded batch (with a critic, whose values and GAE
-  advantages are computed on padded rows): the batch is fetched, packed on the host by the samples' real lengths (first-fit decreasing
-  into rows of ``seq_len``, row count bucketed) and sent shard by shard."""
-  host = distributed.fetch(batch)
-  lengths = np.asarray(rollout.prompt_len_b) + np.asarray(rollout.response_len_b)
-  layout = packing.plan(lengths, setup.cfg.rollout.seq_len, programs.row_buckets)
-  packed = packing.pack_batch(layout, tokens_bt=host.tokens_bt, mask_bt=host.mask_bt,
-                              advantages_bt=host.advantages_bt, behaviour_logp_bt=host.behaviour_logp_bt,
-                              ref_logp_bt=host.ref_logp_bt, version_bt=host.version_bt)
-  state, train_metrics = guarded_update(programs.packed_step, state,
-                                        packed_step.device_batch(programs.mesh, packed))
-  stats = {"pack/rows": float(layout.num_rows), "pack/rows_used": float(layout.rows_used),
-           "pack/padding_frac": float(1 - lengths.sum() / (layout.num_rows * layout.width))}
-  return state, train_metrics, stats
 
 
 def batch_width(cfg, length_b) -> int:
@@ -463,7 +452,12 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
   if programs.reward_model is not None:
     rm_call = _AuxCall("reward_model", programs, timeline, step, *rm_args())
   critic = programs.critic
-  values_bt = critic.values(device_rollout.tokens_bt) if critic is not None else None
+  if critic is None:
+    values = None
+  elif rows is not None:
+    values = critic.packed_values(rows.tokens_rw, *row_fields[:2])
+  else:
+    values = critic.values(device_rollout.tokens_bt)
   with timeline.phase("reward", group=d.train_group, step=step):
     rewards, fmt, correct, m = scored if scored is not None else score(setup, programs, rollout, problems)
     metrics |= m | {"accuracy": float(correct.mean()), "format_rate": float(fmt.mean())}
@@ -486,8 +480,8 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
   with timeline.phase("train", group=d.train_group, step=step):
     t0 = time.perf_counter()
     if rows is not None:
-      state, train_metrics, batch_stats = _packed_rows_update(setup, programs, state, step, rows, row_fields,
-                                                              ref_logp, rewards)
+      state, train_metrics, batch_stats, returns = _packed_rows_update(setup, programs, state, step, rows,
+                                                                       row_fields, ref_logp, rewards, values)
       for key in ("host_to_device", "host_to_device_padded", "host_to_device_per_device"):   # the rewards, [B]
         metrics[f"queue/link_bytes/{key}"] += np.asarray(rewards, np.float32).nbytes
     else:
@@ -495,20 +489,22 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
       if critic is None:
         batch, batch_stats = programs.assemble(device_rollout, rewards_dev, ref_logp)
       else:
-        batch, batch_stats, returns_bt = programs.assemble(device_rollout, rewards_dev, ref_logp, values_bt)
-      if programs.packed_step is None and programs.several_updates:
+        batch, batch_stats, returns = programs.assemble(device_rollout, rewards_dev, ref_logp, values)
+      if programs.several_updates:
         state, train_metrics = _padded_updates(setup, programs, state, step, batch)
-      elif programs.packed_step is None:
-        state, train_metrics = guarded_update(programs.train_step, state, batch)
       else:
-        state, train_metrics, pack_stats = _packed_update(setup, programs, state, rollout, batch)
-        metrics |= pack_stats
+        state, train_metrics = guarded_update(programs.train_step, state, batch)
     train_metrics, batch_stats = distributed.fetch((train_metrics, batch_stats))
     train_s = time.perf_counter() - t0
   if critic is not None:
     with timeline.phase("critic", group=d.train_group, step=step):
       t0 = time.perf_counter()
-      critic_batch = critic_lib.CriticBatch(batch.tokens_bt, batch.mask_bt, values_bt, returns_bt)
+      if rows is not None:
+        positions_rw, segment_ids_rw, _, mask_rw, _ = row_fields
+        critic_batch = critic_lib.PackedCriticBatch(rows.tokens_rw, mask_rw, values, returns, positions_rw,
+                                                    segment_ids_rw)
+      else:
+        critic_batch = critic_lib.CriticBatch(batch.tokens_bt, batch.mask_bt, values, returns)
       critic_metrics = distributed.fetch(guarded_update(critic.update, critic_batch))
       metrics |= {k: float(v) for k, v in critic_metrics.items()}
       metrics["critic_s"] = time.perf_counter() - t0

@@ -54,6 +54,14 @@ def assemble_gae_batch(cfg: ExperimentConfig, rollout: Rollout, rewards_b, ref_l
                                     advantage_hparams=a.advantage_hparams)
 
 
+def packed_gae_batch(cfg: ExperimentConfig, sample_rw, mask_rw, behaviour_logp_rw, ref_logp_rw, rewards_b, values_rw):
+  """The GAE advantage stage on packed rows (``algorithms/batch.py``'s ``packed_train_batch_gae``)."""
+  a = cfg.algo
+  return algo_batch.packed_train_batch_gae(sample_rw, mask_rw, behaviour_logp_rw, ref_logp_rw, rewards_b, values_rw,
+                                           advantage=a.advantage, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
+                                           kl_mode=a.kl_mode, advantage_hparams=a.advantage_hparams)
+
+
 def packed_advantages(cfg: ExperimentConfig, sample_rw, mask_rw, behaviour_logp_rw, ref_logp_rw, rewards_b):
   """The advantage stage on packed rows (``algorithms/batch.py``'s ``packed_train_batch``)."""
   a = cfg.algo
@@ -144,9 +152,9 @@ class Programs:
                                                  d.train_rules)
     # The packed update takes its rows straight from the host's samples (``packed_step.place_rows``): the
     # reference log-probs, the reward model's scores and the advantage stage run on the packed rows (on the
-    # aux mesh in hybrid: the rows are copied there device to device), no padded batch is assembled. With a
-    # critic the padded batch is still assembled and packed on the host.
-    self.packed_inputs = self.packed_step is not None and not cfg.algo.uses_critic
+    # aux mesh in hybrid: the rows are copied there device to device), a critic's values and GAE too; no
+    # padded batch is assembled.
+    self.packed_inputs = self.packed_step is not None
     if self.packed_inputs:
       self.row_layout = packed_step.make_row_layout(self.mesh)
       self.packed_ref_logprobs = packed_step.make_packed_logprob_fn(model_cfg, temperature, d.aux_mesh,
@@ -154,6 +162,8 @@ class Programs:
       b2 = mesh_lib.batch_sharding(self.mesh, 2)
       self.packed_advantages = jax.jit(functools.partial(packed_advantages, cfg),
                                        out_shardings=(b2, mesh_lib.replicated(self.mesh)))
+      self.packed_gae = jax.jit(functools.partial(packed_gae_batch, cfg),
+                                out_shardings=(b2, mesh_lib.replicated(self.mesh), b2))
     self._several_updates(cfg, model_cfg, temperature, d)
     self.critic = None
     if cfg.algo.uses_critic:
@@ -181,10 +191,6 @@ class Programs:
     if rows % shards:
       raise ValueError(f"config.algo.mini_batches={a.mini_batches}: mini-batches of {rows} samples do not "
                        f"split over the {shards} batch shards (data x fsdp)")
-    if self.packed_step is not None and not self.packed_inputs:
-      raise ValueError(f"config.algo.ppo_epochs={a.ppo_epochs}, mini_batches={a.mini_batches}: several updates "
-                       "per batch on packed rows need the packed rows placed from the host, which a critic "
-                       "rules out; set optim.pack_rows=False")
     self.policy_logprobs = step_lib.make_logprob_fn(model_cfg, temperature, self.mesh, self.param_shardings,
                                                     d.train_rules)
     self.bump_version = jax.jit(step_lib.bump_policy_version, donate_argnums=(0,),

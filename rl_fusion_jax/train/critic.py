@@ -7,7 +7,8 @@ batch first, so accumulation gives exactly the full-batch gradient. Each step is
 shape with explicit in/out shardings and the state donated. The critic never bumps the policy version.
 
 A batch is ``(tokens_bt, mask_bt, old_values_bt, returns_bt)``, all [B, T] and aligned like token
-log-probs: position t holds the value of the state before token t, and the mask marks response tokens.
+log-probs: position t holds the value of the state before token t, and the mask marks response tokens; or
+a ``PackedCriticBatch``, the same on packed rows with their positions and segment ids.
 """
 from __future__ import annotations
 
@@ -36,6 +37,16 @@ class CriticBatch(NamedTuple):
   returns_bt: Float[Array, "B T"]       # float32: regression targets (e.g. GAE returns)
 
 
+class PackedCriticBatch(NamedTuple):
+  """``CriticBatch`` on packed rows ([R, W], ``train/packing.py``), with the rows' positions and segment ids."""
+  tokens_rw: Int[Array, "R W"]
+  mask_rw: Float[Array, "R W"]
+  old_values_rw: Float[Array, "R W"]
+  returns_rw: Float[Array, "R W"]
+  positions_rw: Int[Array, "R W"]
+  segment_ids_rw: Int[Array, "R W"]
+
+
 def _check_clip(clip) -> None:
   if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
     raise ValueError(f"clip: must be None or a number > 0, got {clip!r}")
@@ -53,7 +64,7 @@ def value_loss_from_values(clip: float | None, values_bt, batch, weights_bt) -> 
   value_error_mean / value_error_sq_mean (R - V and its square) and return_sq_mean (for
   `explained_variance`), value_abs_change (|V - V_old|: how far the critic moved since the rollout).
   """
-  _, _, old_values_bt, returns_bt = batch
+  old_values_bt, returns_bt = batch[2], batch[3]
   loss_bt, clipped_bt = algorithms.value_loss(values_bt, old_values_bt, returns_bt, clip=clip)
   loss = algorithms.weighted_sum(loss_bt, weights_bt)
   v_bt = jax.lax.stop_gradient(values_bt)
@@ -73,6 +84,13 @@ def critic_loss(cfg: ModelConfig, clip: float | None, params, batch, weights_bt)
   `value_loss_from_values` for the metric sums."""
   values_bt = value_model.values(cfg, params, batch[0])
   return value_loss_from_values(clip, values_bt, batch, weights_bt)
+
+
+def packed_critic_loss(cfg: ModelConfig, clip: float | None, params, batch: PackedCriticBatch, weights_rw
+                       ) -> tuple[jax.Array, dict]:
+  """``critic_loss`` of a ``PackedCriticBatch``: the values of packed rows (``value_model.packed_values``)."""
+  values_rw = value_model.packed_values(cfg, params, batch.tokens_rw, batch.positions_rw, batch.segment_ids_rw)
+  return value_loss_from_values(clip, values_rw, batch, weights_rw)
 
 
 def explained_variance(sums: dict[str, jax.Array]) -> jax.Array:
@@ -95,7 +113,7 @@ def critic_step(cfg: ModelConfig, clip: float | None, tx: optax.GradientTransfor
   """One guarded critic update; metrics are the loss sums plus value_explained_var, grad_norm, nonfinite."""
   tokens_bt, mask_bt = batch[0], batch[1]
   weights_bt = algorithms.token_weights(mask_bt, "token-mean")
-  loss_fn = functools.partial(critic_loss, cfg, clip)
+  loss_fn = functools.partial(packed_critic_loss if isinstance(batch, PackedCriticBatch) else critic_loss, cfg, clip)
   num_micro = micro.num_micro(*tokens_bt.shape, batch_shards(mesh))
   state, metrics = update(loss_fn, tx, num_micro, mesh, state, batch, weights_bt, bump_version=False)
   metrics["value_explained_var"] = explained_variance(metrics)
@@ -105,6 +123,7 @@ def critic_step(cfg: ModelConfig, clip: float | None, tx: optax.GradientTransfor
 def make_critic_step(cfg: ModelConfig, clip: float | None, tx: optax.GradientTransformation,
                      micro: MicroBatching | int, mesh: Mesh, shardings: TrainState):
   """``critic_step(state, batch) -> (state, metrics)``, compiled once per batch shape, state donated.
+  ``batch``: a ``CriticBatch`` (or 4-tuple) of padded rows or a ``PackedCriticBatch`` of packed rows.
 
   ``shardings``: the critic's `train.state.state_shardings` (over `value_model.abstract_value_params`).
   ``micro``: a ``MicroBatching`` (the count follows the batch's shape) or a fixed micro-batch count.
@@ -122,3 +141,11 @@ def make_value_fn(cfg: ModelConfig, mesh: Mesh, param_shardings):
   """``fn(params, tokens_bt) -> values_bt`` (float32 [B, T], batch-sharded), compiled once per shape."""
   b2 = batch_sharding(mesh, 2)
   return jax.jit(functools.partial(value_model.values, cfg), in_shardings=(param_shardings, b2), out_shardings=b2)
+
+
+def make_packed_value_fn(cfg: ModelConfig, mesh: Mesh, param_shardings):
+  """``fn(params, tokens_rw, positions_rw, segment_ids_rw) -> values_rw`` of packed rows (float32,
+  batch-sharded), compiled once per row count."""
+  b2 = batch_sharding(mesh, 2)
+  return jax.jit(functools.partial(value_model.packed_values, cfg), in_shardings=(param_shardings, b2, b2, b2),
+                 out_shardings=b2)
