@@ -80,6 +80,15 @@ def train_batch_gae(rollout: Rollout, rewards_b: Float[Array, "b"], ref_logp_bt:
   return batch, stats, returns_bt
 
 
+def _packed_kl(sample_rw, mask_rw, behaviour_logp_rw, ref_logp_rw, num_samples: int, kl_estimator: str):
+  """(per-token KL on the response tokens [R, W], each sample's sequence KL [B]: a segment sum over
+  ``sample_rw``, -1 on padding)."""
+  kl_rw = registry.get_kl_estimator(kl_estimator)(behaviour_logp_rw, ref_logp_rw) * mask_rw
+  kl_b = jax.ops.segment_sum(kl_rw.reshape(-1), jnp.where(sample_rw < 0, num_samples, sample_rw).reshape(-1),
+                             num_segments=num_samples + 1)[:num_samples]
+  return kl_rw, kl_b
+
+
 def packed_train_batch(sample_rw: Int[Array, "r w"], mask_rw: Float[Array, "r w"],
                        behaviour_logp_rw: Float[Array, "r w"], ref_logp_rw: Float[Array, "r w"],
                        rewards_b: Float[Array, "b"], *, advantage: str, group_size: int, kl_coef: float,
@@ -94,9 +103,7 @@ def packed_train_batch(sample_rw: Int[Array, "r w"], mask_rw: Float[Array, "r w"
   num_samples = rewards_b.shape[0]
   stats = {}
   if kl_coef > 0:
-    kl_rw = registry.get_kl_estimator(kl_estimator)(behaviour_logp_rw, ref_logp_rw) * mask_rw
-    kl_b = jax.ops.segment_sum(kl_rw.reshape(-1), jnp.where(sample_rw < 0, num_samples, sample_rw).reshape(-1),
-                               num_segments=num_samples + 1)[:num_samples]
+    _, kl_b = _packed_kl(sample_rw, mask_rw, behaviour_logp_rw, ref_logp_rw, num_samples, kl_estimator)
     stats["kl_seq"] = jnp.mean(kl_b)
     if kl_mode == "reward":
       rewards_b = rewards_b - kl_coef * kl_b
@@ -123,9 +130,7 @@ def packed_train_batch_gae(sample_rw: Int[Array, "r w"], mask_rw: Float[Array, "
   last_rw = mask & ~jnp.concatenate([mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=1)
   token_rewards_rw = jnp.where(last_rw, rewards_b.astype(jnp.float32)[jnp.maximum(sample_rw, 0)], 0.0)
   if kl_coef > 0:
-    kl_rw = registry.get_kl_estimator(kl_estimator)(behaviour_logp_rw, ref_logp_rw) * mask_rw
-    kl_b = jax.ops.segment_sum(kl_rw.reshape(-1), jnp.where(sample_rw < 0, num_samples, sample_rw).reshape(-1),
-                               num_segments=num_samples + 1)[:num_samples]
+    kl_rw, kl_b = _packed_kl(sample_rw, mask_rw, behaviour_logp_rw, ref_logp_rw, num_samples, kl_estimator)
     stats["kl_seq"] = jnp.mean(kl_b)
     if kl_mode == "reward":
       token_rewards_rw = token_rewards_rw - kl_coef * kl_rw
