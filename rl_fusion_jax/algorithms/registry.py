@@ -140,7 +140,11 @@ def register_advantage(name: str, params: type | None = None) -> Callable[[F], F
 
 
 def register_token_advantage(name: str, params: type | None = None) -> Callable[[F], F]:
-  """Decorator registering `fn(token_rewards_bt, values_bt, mask_bt, **hparams) -> (adv_bt, returns_bt)`."""
+  """Decorator registering `fn(token_rewards_bt, values_bt, mask_bt, **hparams) -> (adv_bt, returns_bt)`.
+
+  With packed rows (`optim.pack_rows`) a row holds several responses, each followed by a position outside
+  the mask (the next sample's prompt or padding): `fn` must treat every run of the mask as its own
+  episode (as `gae` does: nothing past a response's last token is bootstrapped)."""
   return _register(TOKEN_ADVANTAGE_ESTIMATORS, "token advantage estimator", name, params, ADVANTAGE_PARAMS)
 
 
