@@ -231,9 +231,8 @@ def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_
   What crosses is each data-parallel group's ``packing.Stream``: its samples' real tokens
   (``packing.value_bytes(vocab_size)`` bytes each), their response tokens' behaviour log-probs (float32
   bits) and versions (above the batch's lowest, in ``value_bytes(max_version_span + 1)`` bytes, more where
-  the batch's span needs them), back to
-  back, the stream length bucketed; no row padding and no prompt log-probs or versions cross; the
-  per-sample numbers cross as 16-bit values where they fit. A group's
+  the batch's span needs them), back to back, the stream length bucketed; no row padding and no prompt
+  log-probs or versions cross; the per-sample numbers cross as 16-bit values where they fit. A group's
   stream is sent once (``global_batch_once_per_group``) and rebuilt into the group's rows on the device
   (``rows_from_stream``): the rows ``layout.pack`` builds on the host. Take ``layout`` from
   ``packing.plan(..., groups=batch_shards(mesh))`` so the groups' streams are alike in length.
