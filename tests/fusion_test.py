@@ -125,14 +125,21 @@ def test_timeline_groups(runs):
   assert {i.group for i in sep.intervals if i.name == "train"} == {"train"}
 
 
-def test_hybrid_scores_the_reference_on_its_own_group(runs):
+def test_hybrid_scores_the_reference_on_its_own_group_while_generating(runs):
   data = load_timeline(timeline_path(runs["hybrid"][0]))
   assert set(data.groups) == {"all", "aux"}
   assert len(data.groups["aux"]) == 4 and set(data.groups["aux"]).isdisjoint(data.groups["all"])
-  ref = [i for i in data.intervals if i.name == "reference"]
-  assert len(ref) == 4 and {i.group for i in ref} == {"aux"}      # one per step, on the aux group
   assert {i.group for i in data.intervals if i.name in ("generate", "train")} == {"all"}
+  # The reference stage scores each chunk's finished samples on the aux group as they finish: every
+  # step has such intervals, and some start before that step's generation ends (the aux lane overlaps
+  # generate); the train phase then only gathers them (every sample was scored early).
+  ref = [i for i in data.intervals if i.name == "reference"]
+  generate = {i.step: i for i in data.intervals if i.name == "generate"}
+  assert {i.group for i in ref} == {"aux"} and {i.step for i in ref} == {0, 1, 2, 3}
+  for step, gen in generate.items():
+    assert any(i.step == step and i.start < gen.end for i in ref), step
   _, _, rows = runs["hybrid"]
+  assert all(r["reference_stage/early_frac"] == 1.0 for r in rows)
   assert all(r["switch/to_generate/params_bytes"] > 0 for r in rows)   # the actor is still fused
 
 
@@ -147,7 +154,7 @@ def test_hybrid_scores_packed_rows_as_padded_ones(runs, tmp_path):
   for key in ("reward", "loss", "grad_norm", "kl", "kl_seq", "entropy"):
     assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-4), key
   ref = [i for i in load_timeline(timeline_path(workdir)).intervals if i.name == "reference"]
-  assert {i.group for i in ref} == {"aux"}
+  assert {i.group for i in ref} == {"aux"} and packed["reference_stage/early_frac"] == 1.0
 
 
 def test_bad_hybrid_config(tmp_path):

@@ -447,7 +447,8 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
     ref_args = (programs.ref_logprobs, ref_resting, aux_tokens)
     rm_args = lambda: programs.reward_model + (
         aux_tokens, _on_aux(programs, None, rollout.prompt_len_b + rollout.response_len_b))
-  if cfg.algo.needs_reference:
+  stage = programs.ref_stage
+  if cfg.algo.needs_reference and stage is None:
     ref_call = _AuxCall("reference", programs, timeline, step, *ref_args)
   if programs.reward_model is not None:
     rm_call = _AuxCall("reward_model", programs, timeline, step, *rm_args())
@@ -468,9 +469,13 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
     metrics["reward"] = float(rewards.mean())
   reward_s = time.perf_counter() - t0
   t0 = time.perf_counter()
-  if ref_call is not None:
-    ref_logp = ref_call.result()
-    metrics |= ref_call.metrics
+  if ref_call is not None or stage is not None:
+    if stage is not None:    # scored on the aux devices as the samples finished (the rest now)
+      with timeline.phase("reference_gather", group=d.aux_group, step=step):
+        ref_logp, m = stage.take(rollout, row_fields[-1] if rows is not None else None, width)
+    else:
+      ref_logp, m = ref_call.result(), ref_call.metrics
+    metrics |= m
     if programs.aux_mesh is not programs.mesh:
       ref_logp = distributed.put(ref_logp, (rows.behaviour_logp_rw if rows is not None else device_rollout.logp_bt
                                             ).sharding)
@@ -550,6 +555,8 @@ def rl_step(setup: Setup, programs: Programs, state, ref_resting, step: int, tim
   r = setup.cfg.rollout
   t_start = time.perf_counter()
   first = step * r.num_prompts if data_position is None else data_position
+  if programs.ref_stage is not None:
+    programs.ref_stage.begin(ref_resting, timeline, step)
   if setup.cfg.algo.dynamic_sampling:
     state, problems, rollout, scored, metrics = _dynamic_batch(setup, programs, state, step, timeline, first)
     state, m = train_phase(setup, programs, state, ref_resting, step, timeline, problems, rollout, scored=scored)

@@ -24,7 +24,7 @@ from rl_fusion_jax.algorithms import batch as algo_batch
 from rl_fusion_jax.config import ExperimentConfig
 from rl_fusion_jax.fusion.deployment import make_deployment
 from rl_fusion_jax.models import reward_model
-from rl_fusion_jax.orchestration import critic_stage
+from rl_fusion_jax.orchestration import critic_stage, reference_stage
 from rl_fusion_jax.orchestration.host_stages import VerifyStage
 from rl_fusion_jax.orchestration.setup import Setup
 from rl_fusion_jax.rollout.engine import Engine, EngineConfig
@@ -155,10 +155,15 @@ class Programs:
     # aux mesh in hybrid: the rows are copied there device to device), a critic's values and GAE too; no
     # padded batch is assembled.
     self.packed_inputs = self.packed_step is not None
-    if self.packed_inputs:
-      self.row_layout = packed_step.make_row_layout(self.mesh)
+    # In hybrid the reference scores finished samples on its own devices while the actor's generate.
+    stage = (d.mode == "hybrid" and cfg.algo.needs_reference and jax.process_count() == 1)
+    if self.packed_inputs or stage:
       self.packed_ref_logprobs = packed_step.make_packed_logprob_fn(model_cfg, temperature, d.aux_mesh,
                                                                     self.ref_param_shardings, d.train_rules)
+    self.ref_stage = (reference_stage.ReferenceStage(cfg, self, d.aux_group, 2 * (r.slots + r.batch_size))
+                      if stage else None)
+    if self.packed_inputs:
+      self.row_layout = packed_step.make_row_layout(self.mesh)
       b2 = mesh_lib.batch_sharding(self.mesh, 2)
       self.packed_advantages = jax.jit(functools.partial(packed_advantages, cfg),
                                        out_shardings=(b2, mesh_lib.replicated(self.mesh)))
@@ -178,6 +183,9 @@ class Programs:
     self.reward_model = self._reward_model(setup)
     self.verify = VerifyStage(setup.train_task, setup.tokenizer, r.group_size, cfg.task.verify_workers)
     self.engine.on_finished = self.verify.submit
+    if self.ref_stage is not None:
+      stages = (self.verify.submit, self.ref_stage.submit)
+      self.engine.on_finished = lambda rollout, group_id_b: [f(rollout, group_id_b) for f in stages]
 
   def _several_updates(self, cfg: ExperimentConfig, model_cfg, temperature: float, d) -> None:
     """With ``algo.ppo_epochs`` / ``algo.mini_batches`` (several updates per batch): the update variants

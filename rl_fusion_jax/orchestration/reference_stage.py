@@ -1,0 +1,177 @@
+"""The reference model as a stage that consumes finished samples: in ``hybrid`` it scores them on its own
+devices while the actor's devices are still generating.
+
+The engine reports each batch of newly finished samples after a decode chunk (``Engine.on_finished``,
+beside the verify stage). :class:`ReferenceStage` sends them to the aux mesh as a packed byte stream
+(``packed_step.place_rows``), computes the reference's log-probs of the packed rows there, and scatters
+each sample's log-probs into a row of a per-sample buffer on the aux devices (``[capacity, seq_len]``,
+float32), all dispatched without waiting: the aux devices work while the rollout devices decode the next
+chunk. The train phase then asks for its batch (``take``): samples not scored yet (none were finished
+in this run: a resume, or evicted from a full buffer) are scored on the spot, and one gather builds the
+update's reference log-probs in the update's own layout (packed rows or padded rows), on the aux mesh.
+
+Every shape is bucketed: a chunk's samples pad to a power of two (zero-length samples take no row), its
+rows to the chunk row buckets, so the stage compiles a few programs, none per chunk. The buffer holds
+``capacity`` samples; when it is full the oldest entries are evicted (scored again if asked for), so a
+result never depends on what was kept. Samples that will never be trained (StaleSync's stale groups)
+are released by ``forget``.
+
+Active in ``fusion.mode=hybrid`` with a reference model, in one process (across processes every
+process would have to dispatch the stage's programs in the same order; the train phase's reference call
+serves them as before).
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rl_fusion_jax.sharding import mesh as mesh_lib
+from rl_fusion_jax.timeline import Timeline
+from rl_fusion_jax.train import packed_step, packing
+from rl_fusion_jax.types import Rollout
+
+
+def _scatter(buffer_ct, logp_rw, row_k, start_k, length_k, dest_k):
+  """Sample k's log-probs (packed at ``row_k`` / ``start_k``, ``length_k`` tokens) into ``buffer_ct[dest_k]``
+  (positions 0 .. length - 1; the rest of the row 0). ``dest_k`` = capacity drops the sample."""
+  width = buffer_ct.shape[1]
+  t = jnp.arange(width, dtype=jnp.int32)
+  inside_kt = t[None, :] < length_k[:, None]
+  col_kt = jnp.clip(start_k[:, None] + t[None, :], 0, logp_rw.shape[1] - 1)
+  values_kt = jnp.where(inside_kt, logp_rw[jnp.maximum(row_k, 0)[:, None], col_kt], 0.0)
+  return buffer_ct.at[dest_k].set(values_kt, mode="drop")
+
+
+def _gather_packed(buffer_ct, slot_b, row_b, start_b, length_b, *, num_rows: int, width: int):
+  """The buffer rows of samples ``slot_b`` laid out as packed rows [num_rows, width] (0 outside them)."""
+  k_rw, pos_rw, inside = packed_step._covering(num_rows, width, row_b, start_b, length_b)
+  return jnp.where(inside, buffer_ct[slot_b[k_rw], jnp.clip(pos_rw, 0, buffer_ct.shape[1] - 1)], 0.0)
+
+
+def _gather_padded(buffer_ct, slot_b, *, width: int):
+  return buffer_ct[slot_b, :width]
+
+
+class ReferenceStage:
+  """Reference log-probs of finished samples, computed on the aux mesh as they finish."""
+
+  def __init__(self, cfg, programs, timeline_group: str, capacity: int):
+    r = cfg.rollout
+    self.mesh, self.seq_len, self.capacity = programs.aux_mesh, r.seq_len, capacity
+    self.vocab_size = cfg.model.config.vocab_size
+    self.max_span = cfg.stalesync.max_staleness if cfg.stalesync.enabled else 0
+    self.logprobs = programs.packed_ref_logprobs
+    self.row_layout = packed_step.make_row_layout(self.mesh)
+    self.shards = mesh_lib.batch_shards(self.mesh)
+    self.group = timeline_group
+    b2, rep = mesh_lib.batch_sharding(self.mesh, 2), mesh_lib.replicated(self.mesh)
+    self._rep, self._b2 = rep, b2
+    self._scatter = jax.jit(_scatter, out_shardings=rep, donate_argnums=(0,))
+    self.buffer = jax.device_put(np.zeros((capacity, self.seq_len), np.float32), rep)
+    self.slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()   # sample id -> row, oldest first
+    self.free = list(range(capacity))[::-1]
+    self.params = None
+    self.timeline: Timeline | None = None
+    self.step = 0
+    self.scored = 0
+    self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reference-ready")
+
+  def begin(self, params, timeline: Timeline, step: int) -> None:
+    """The reference params (on the aux mesh) and where to record the stage's intervals, for this step."""
+    self.params, self.timeline, self.step = params, timeline, step
+
+  # -- producer side (the engine's listener) --------------------------------------------------------
+
+  def submit(self, rollout: Rollout, group_id_b=None) -> None:
+    """Dispatches the reference's log-probs of finished samples (host arrays); a no-op before ``begin``."""
+    del group_id_b
+    if self.params is None:
+      return
+    new = [i for i, s in enumerate(np.asarray(rollout.sample_id_b)) if int(s) not in self.slot_of]
+    if new:
+      self._score(rollout, np.asarray(new))
+
+  def _score(self, rollout: Rollout, rows, keep=frozenset()) -> None:
+    """Scores samples ``rows`` of ``rollout`` into buffer rows (evicting the oldest entries not in ``keep``
+    when the buffer is full)."""
+    k = len(rows)
+    kmax = max(self.shards, 1 << max(0, (k - 1).bit_length()))
+    pad = lambda x, fill=0: np.concatenate([np.asarray(x)[rows], np.full((kmax - k,) + np.shape(x)[1:], fill,
+                                                                          np.asarray(x).dtype)])
+    prompt = pad(rollout.prompt_len_b)
+    lengths = prompt + pad(rollout.response_len_b)          # padding samples: length 0, no row
+    buckets = packing.row_buckets(kmax, self.shards, per_doubling=2)
+    layout = packing.plan(lengths, self.seq_len, buckets, groups=self.shards)
+    placed, _ = packed_step.place_rows(self.mesh, layout, tokens_bt=pad(rollout.tokens_bt),
+                                       behaviour_logp_bt=pad(rollout.logp_bt), version_bt=pad(rollout.version_bt, -1),
+                                       prompt_len_b=prompt, vocab_size=self.vocab_size, max_version_span=self.max_span)
+    start = self.timeline.now() if self.timeline is not None else 0.0
+    positions, segments, _, _ = self.row_layout(placed)
+    logp_rw = self.logprobs(self.params, placed.tokens_rw, positions, segments)
+    dest = np.full((kmax,), self.capacity, np.int32)
+    for j, i in enumerate(rows):
+      dest[j] = self._slot(int(rollout.sample_id_b[i]), keep)
+    self.buffer = self._scatter(self.buffer, logp_rw, placed.row_b, placed.start_b, placed.length_b,
+                                jax.device_put(dest, self._rep))
+    self.scored += k
+    if self.timeline is not None:
+      timeline, step, group = self.timeline, self.step, self.group
+      done = self._waiter.submit(lambda out: (jax.block_until_ready(out), timeline.now())[1], self.buffer)
+      done.add_done_callback(lambda f: timeline.record("reference", start, f.result(), group=group, step=step))
+
+  def _slot(self, sample_id: int, keep) -> int:
+    if not self.free:                      # full: evict the oldest (asked for later, it is scored again)
+      oldest = next(s for s in self.slot_of if s not in keep)
+      self.free.append(self.slot_of.pop(oldest))
+    slot = self.free.pop()
+    self.slot_of[sample_id] = slot
+    return slot
+
+  def forget(self, sample_ids) -> None:
+    """Releases samples that will never be asked for (e.g. discarded stale samples)."""
+    for s in sample_ids:
+      slot = self.slot_of.pop(int(s), None)
+      if slot is not None:
+        self.free.append(slot)
+
+  # -- consumer side ----------------------------------------------------------------------------------
+
+  def take(self, rollout: Rollout, layout: packing.Layout | None, width: int):
+    """The reference log-probs of ``rollout``'s samples (host, in batch order) on the aux mesh: packed rows
+    laid out as ``layout`` ([R, W], batch-sharded), or with ``layout`` None padded rows [B, width]. Samples
+    not scored yet are scored first; every sample's buffer row is released after."""
+    ids = [int(s) for s in np.asarray(rollout.sample_id_b)]
+    missing = np.asarray([i for i, s in enumerate(ids) if s not in self.slot_of])
+    found = len(ids) - len(missing)
+    if len(ids) > self.capacity:
+      raise ValueError(f"reference stage: a batch of {len(ids)} samples; the buffer holds {self.capacity}")
+    if len(missing):
+      self._score(rollout, missing, keep=frozenset(ids))
+    slot_b = jax.device_put(np.asarray([self.slot_of[s] for s in ids], np.int32), self._rep)
+    if layout is None:
+      out = _padded_fn(self.mesh, width)(self.buffer, slot_b)
+    else:
+      per_sample = jax.device_put(tuple(np.asarray(x, np.int32) for x in (layout.row_b, layout.start_b,
+                                                                         layout.length_b)), self._rep)
+      out = _packed_fn(self.mesh, layout.num_rows, layout.width)(self.buffer, slot_b, *per_sample)
+    self.forget(ids)
+    return out, {"reference_stage/early_frac": found / max(1, len(ids))}
+
+  def close(self) -> None:
+    self._waiter.shutdown(wait=True)
+
+
+@functools.lru_cache(maxsize=32)
+def _packed_fn(mesh, num_rows: int, width: int):
+  return jax.jit(functools.partial(_gather_packed, num_rows=num_rows, width=width),
+                 out_shardings=mesh_lib.batch_sharding(mesh, 2))
+
+
+@functools.lru_cache(maxsize=32)
+def _padded_fn(mesh, width: int):
+  return jax.jit(functools.partial(_gather_padded, width=width), out_shardings=mesh_lib.batch_sharding(mesh, 2))

@@ -1,0 +1,104 @@
+"""The reference stage (hybrid): log-probs of samples scored as they finish, in chunks, equal the
+reference's log-probs of the whole batch in the update's layout (packed or padded); samples never scored
+or evicted from a full buffer are scored when asked for; forgotten samples free their rows."""
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from rl_fusion_jax import config as config_lib
+from rl_fusion_jax import models
+from rl_fusion_jax.config import MeshConfig
+from rl_fusion_jax.orchestration.reference_stage import ReferenceStage
+from rl_fusion_jax.sharding.mesh import make_mesh
+from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
+from rl_fusion_jax.testing.tiny import tiny_model_config
+from rl_fusion_jax.train import packed_step, packing
+from rl_fusion_jax.types import Rollout
+
+SEQ_LEN = 24
+
+
+def _setup(capacity: int):
+  model_cfg = tiny_model_config()
+  cfg = config_lib.experiment_from_dict(dict(
+      model=dict(vocab_size=model_cfg.vocab_size, hidden_size=model_cfg.hidden_size,
+                 num_layers=model_cfg.num_layers, num_heads=model_cfg.num_heads,
+                 num_kv_heads=model_cfg.num_kv_heads, intermediate_size=model_cfg.intermediate_size,
+                 max_position_embeddings=32),
+      rollout=dict(num_prompts=8, group_size=2, max_prompt_len=8, max_new_tokens=SEQ_LEN - 8)))
+  mesh = make_mesh(MeshConfig(data=-1), jax.devices()[:2])
+  shardings = param_shardings(models.abstract_params(cfg.model.config), models.param_logical_axes(cfg.model.config),
+                              mesh, TRAIN_RULES)
+  params = jax.device_put(models.init_params(cfg.model.config, jax.random.key(1)), shardings)
+  fn = packed_step.make_packed_logprob_fn(cfg.model.config, 1.0, mesh, shardings)
+  stage = ReferenceStage(cfg, types.SimpleNamespace(aux_mesh=mesh, packed_ref_logprobs=fn), "all", capacity)
+  return cfg, mesh, params, fn, stage
+
+
+def _samples(n: int, vocab: int, seed: int = 0) -> Rollout:
+  rng = np.random.default_rng(seed)
+  prompt = rng.integers(1, 8, n).astype(np.int32)
+  response = rng.integers(0, SEQ_LEN - 8, n).astype(np.int32)
+  t = np.arange(SEQ_LEN)[None]
+  inside = t < (prompt + response)[:, None]
+  resp = inside & (t >= prompt[:, None])
+  return Rollout(tokens_bt=np.where(inside, rng.integers(1, vocab, (n, SEQ_LEN)), 0).astype(np.int32),
+                 prompt_len_b=prompt, response_len_b=response,
+                 logp_bt=np.where(resp, -rng.random((n, SEQ_LEN)), 0).astype(np.float32),
+                 version_bt=np.where(resp, 0, -1).astype(np.int32), finished_b=np.ones(n, bool),
+                 sample_id_b=np.arange(100, 100 + n, dtype=np.int32))
+
+
+def _part(rollout: Rollout, idx) -> Rollout:
+  return jax.tree.map(lambda x: np.asarray(x)[idx], rollout)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_chunks_scored_early_equal_the_batch_scored_at_once(packed):
+  cfg, mesh, params, fn, stage = _setup(capacity=64)
+  batch = _samples(16, cfg.model.config.vocab_size)
+  stage.begin(params, None, 0)
+  for idx in (np.arange(0, 3), np.arange(3, 10), np.arange(10, 16)):       # chunks as the engine reports them
+    stage.submit(_part(batch, idx))
+  assert stage.scored == 16
+  lengths = batch.prompt_len_b + batch.response_len_b
+  layout = packing.plan(lengths, SEQ_LEN, packing.row_buckets(16, 2, per_doubling=2), groups=2)
+  got, metrics = stage.take(batch, layout if packed else None, SEQ_LEN)
+  assert metrics == {"reference_stage/early_frac": 1.0} and not stage.slot_of and len(stage.free) == 64
+  rows, _ = packed_step.place_rows(mesh, layout, tokens_bt=batch.tokens_bt, behaviour_logp_bt=batch.logp_bt,
+                                   version_bt=batch.version_bt, prompt_len_b=batch.prompt_len_b, vocab_size=128)
+  positions, segments, _, mask = packed_step.make_row_layout(mesh)(rows)
+  want_rw = np.asarray(fn(params, rows.tokens_rw, positions, segments))
+  got = np.asarray(jax.device_get(got))
+  if packed:
+    np.testing.assert_allclose(got, want_rw, rtol=1e-5, atol=1e-5)
+  else:
+    inside = np.arange(SEQ_LEN)[None] < lengths[:, None]
+    np.testing.assert_allclose(got, layout.unpack(want_rw, SEQ_LEN) * inside, rtol=1e-5, atol=1e-5)
+  assert np.abs(want_rw).max() > 0.1
+
+
+def test_evicted_and_unscored_samples_are_scored_when_asked_for():
+  cfg, mesh, params, fn, stage = _setup(capacity=10)
+  batch = _samples(10, cfg.model.config.vocab_size, seed=3)
+  others = _samples(2, cfg.model.config.vocab_size, seed=4).replace(sample_id_b=np.array([200, 201], np.int32))
+  stage.begin(params, None, 0)
+  stage.submit(_part(batch, np.arange(0, 9)))              # 9 of the batch (109 never)
+  stage.submit(others)                                     # 11 into 10 rows: the oldest (100) is evicted
+  assert 100 not in stage.slot_of and {200, 201} <= set(stage.slot_of)
+  stage.forget([102])                                       # released: scored again when asked for
+  assert 102 not in stage.slot_of and len(stage.free) == 1
+  # 100, 102 and 109 are scored now, evicting the two samples outside the batch, never the batch's own.
+  lengths = batch.prompt_len_b + batch.response_len_b
+  layout = packing.plan(lengths, SEQ_LEN, packing.row_buckets(10, 2, per_doubling=2), groups=2)
+  got, metrics = stage.take(batch, layout, SEQ_LEN)
+  assert metrics["reference_stage/early_frac"] == pytest.approx(7 / 10) and not stage.slot_of
+  rows, _ = packed_step.place_rows(mesh, layout, tokens_bt=batch.tokens_bt, behaviour_logp_bt=batch.logp_bt,
+                                   version_bt=batch.version_bt, prompt_len_b=batch.prompt_len_b, vocab_size=128)
+  positions, segments, _, _ = packed_step.make_row_layout(mesh)(rows)
+  np.testing.assert_allclose(np.asarray(jax.device_get(got)), np.asarray(fn(params, rows.tokens_rw, positions, segments)),
+                             rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="buffer holds 10"):
+    stage.take(_samples(12, cfg.model.config.vocab_size), None, SEQ_LEN)
