@@ -1,0 +1,95 @@
+r"""What reading a layer's weights out of the stacked layer tree costs a memory-bound decode step on CPU.
+
+  python experiments/benchmark_stacked_weights.py                       # SmolLM2-135M's MLP shapes
+  python experiments/benchmark_stacked_weights.py --hf_path=DIR         # ... and DIR's real decode step
+
+The decoder keeps its layers as one stacked tree (leading axis 'layers') run by a layer loop. A decode
+step multiplies a few rows by every weight once, so it is bound by reading the weights. Times, on one
+device, the MLP of ``--layers`` layers (x @ gate, x @ up, their product @ down; [batch, hidden] rows)
+with the weights held three ways: one buffer per weight (``separate``), stacked and read by a rolled
+``lax.scan`` (``stacked_scan``: a dynamic slice per layer), stacked and read by an unrolled loop
+(``stacked_unrolled``: a static slice per layer, the CPU default ``scan_unroll=0``). Prints one JSON line
+per form (median ms of ``--repeats``, GB/s of weights read) and the machine's streaming rate (a numpy
+sum over a buffer as large as the weights). With ``--hf_path``, also one decode step of that checkpoint
+(``kv_cache.forward_with_cache``, [batch, 1] tokens, float32) at ``scan_unroll`` 0 and 1.
+"""
+import json
+import time
+
+import numpy as np
+from absl import app, flags
+
+_LAYERS = flags.DEFINE_integer("layers", 30, "Layers.")
+_HIDDEN = flags.DEFINE_integer("hidden", 576, "Hidden size.")
+_MLP = flags.DEFINE_integer("mlp", 1536, "MLP hidden size.")
+_BATCH = flags.DEFINE_integer("batch", 8, "Rows (sequences decoded at once).")
+_REPEATS = flags.DEFINE_integer("repeats", 20, "Timed calls per form.")
+_HF_PATH = flags.DEFINE_string("hf_path", "", "A Hugging Face folder: also time its decode step.")
+_CACHE_LEN = flags.DEFINE_integer("cache_len", 160, "KV cache positions of the --hf_path decode step.")
+
+
+def _median_ms(fn, *args) -> float:
+  import jax
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(_REPEATS.value):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return 1000 * float(np.median(times))
+
+
+def main(argv):
+  del argv
+  import jax
+  import jax.numpy as jnp
+  n, d, f = _LAYERS.value, _HIDDEN.value, _MLP.value
+  rng = np.random.default_rng(0)
+  weights = [jnp.asarray(rng.standard_normal((d, f), np.float32) * 0.02) for _ in range(3 * n)]
+  stacked = jnp.stack(weights).reshape(n, 3, d, f)
+  x = jnp.ones((_BATCH.value, d), jnp.float32)
+  mlp = lambda x, g, u, w: x + ((x @ g) * (x @ u)) @ w.T
+
+  def separate(ws, x):
+    for i in range(n):
+      x = mlp(x, *ws[3 * i:3 * i + 3])
+    return x
+
+  def stacked_scan(stack, x):
+    return jax.lax.scan(lambda x, w: (mlp(x, w[0], w[1], w[2]), None), x, stack)[0]
+
+  def stacked_unrolled(stack, x):
+    for i in range(n):
+      x = mlp(x, stack[i, 0], stack[i, 1], stack[i, 2])
+    return x
+
+  nbytes = 3 * n * d * f * 4
+  big = np.ones((nbytes // 4,), np.float32)
+  t0 = time.perf_counter()
+  for _ in range(5):
+    big.sum()
+  seconds = (time.perf_counter() - t0) / 5
+  print(json.dumps({"form": "numpy_sum", "ms": round(1000 * seconds, 2), "gb_per_s": round(nbytes / seconds / 1e9, 2)}),
+        flush=True)
+  for name, fn, arg in (("separate", separate, weights), ("stacked_scan", stacked_scan, stacked),
+                        ("stacked_unrolled", stacked_unrolled, stacked)):
+    ms = _median_ms(jax.jit(fn), arg, x)
+    print(json.dumps({"form": name, "layers": n, "batch": _BATCH.value, "weights_mb": round(nbytes / 1e6, 1),
+                      "ms": round(ms, 2), "gb_per_s": round(nbytes / ms / 1e6, 2)}), flush=True)
+  if _HF_PATH.value:
+    import dataclasses
+    from rl_fusion_jax.models import hf_io, kv_cache
+    cfg0, host = hf_io.load_hf(_HF_PATH.value)
+    params = jax.tree.map(jnp.asarray, host)
+    b = _BATCH.value
+    for unroll in (0, 1):
+      cfg = dataclasses.replace(cfg0, dtype="float32", scan_unroll=unroll)
+      cache = kv_cache.init_cache(cfg, b, _CACHE_LEN.value)
+      step = jax.jit(lambda p, c, t, q, cfg=cfg: kv_cache.forward_with_cache(cfg, p, t[:, None], q[:, None], c)[0])
+      ms = _median_ms(step, params, cache, jnp.ones((b,), jnp.int32), jnp.full((b,), 50, jnp.int32))
+      print(json.dumps({"form": "decode_step", "scan_unroll": unroll, "batch": b, "ms": round(ms, 2),
+                        "tokens_per_s": round(1000 * b / ms, 1)}), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
