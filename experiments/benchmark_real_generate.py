@@ -1,0 +1,84 @@
+r"""This project's generation engine on a real checkpoint, against transformers' `generate` in turns.
+
+  python experiments/benchmark_real_generate.py --hf_path=DIR [--ref_python=/work/venv_ref/bin/python]
+
+The engine (one device, ``--batch`` slots, one chunk of up to 32 decode steps at a time) decodes
+``--batch`` one-turn chats rendered by DIR's chat template ("What is a + b? Answer with a number.", the
+same as experiments/hf_generate_reference.py), each for exactly ``--new_tokens`` new tokens (forced
+length), sampling at temperature 1. For each setting (dtype, ``scan_unroll``) it runs once to compile,
+then ``--repeats`` times; one JSON line per setting with the median seconds, tokens/s and ms per decode
+step. With ``--ref_python`` (a Python with torch and transformers, ``$RLFJ_REF_PYTHON``), transformers'
+``generate`` runs next, in its own process (experiments/hf_generate_reference.py), on the same folder,
+batch and length.
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+import common
+
+_HF_PATH = flags.DEFINE_string("hf_path", os.path.expanduser("~/.cache/rl_fusion_jax/models/smollm2-135m-instruct"),
+                               "A Hugging Face folder with a chat template.")
+_BATCH = flags.DEFINE_integer("batch", 8, "Sequences decoded at once (engine slots).")
+_NEW = flags.DEFINE_integer("new_tokens", 96, "New tokens per sequence.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per setting.")
+_SETTINGS = flags.DEFINE_list("settings", ["float32:1", "float32:0", "bf16_matmul:1"],
+                              "dtype:scan_unroll pairs to time.")
+_REF_PYTHON = flags.DEFINE_string("ref_python", os.environ.get("RLFJ_REF_PYTHON", ""),
+                                  "A Python with torch and transformers: also time transformers' generate.")
+
+
+def main(argv):
+  del argv
+  import dataclasses
+
+  import jax
+  import numpy as np
+
+  from rl_fusion_jax import models
+  from rl_fusion_jax.config import MeshConfig
+  from rl_fusion_jax.models import hf_io
+  from rl_fusion_jax.rollout.decode import GenerateSpec
+  from rl_fusion_jax.rollout.engine import Engine, EngineConfig, Request
+  from rl_fusion_jax.rollout.sampling import SamplingParams
+  from rl_fusion_jax.sharding.mesh import make_mesh
+  from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
+  from rl_fusion_jax.tokenizer import HFTokenizer
+
+  cfg0, host = hf_io.load_hf(_HF_PATH.value)
+  tokenizer = HFTokenizer.from_file(_HF_PATH.value)
+  chats = [[{"role": "user", "content": f"What is {17 + i} + {25 + i}? Answer with a number."}]
+           for i in range(_BATCH.value)]
+  prompts = [np.asarray(tokenizer.encode_chat(c), np.int32) for c in chats]
+  b, n = _BATCH.value, _NEW.value
+  mesh = make_mesh(MeshConfig(data=-1), jax.devices()[:1])
+  for setting in _SETTINGS.value:
+    dtype, unroll = setting.split(":")
+    cfg = dataclasses.replace(cfg0, dtype=dtype, scan_unroll=int(unroll))
+    shardings = param_shardings(models.abstract_params(cfg), models.param_logical_axes(cfg), mesh, TRAIN_RULES)
+    params = jax.device_put(host, shardings)
+    spec = GenerateSpec(cfg, SamplingParams(1.0), max(map(len, prompts)), n, -1)
+    engine = Engine(EngineConfig(spec, num_slots=b, chunk_steps=32, group_size=b), mesh, shardings)
+    times = []
+    for rep in range(_REPEATS.value + 1):
+      engine.add([Request(rep * b + i, rep, p, n) for i, p in enumerate(prompts)])
+      t0 = time.perf_counter()
+      engine.run(params, 0)
+      times.append(time.perf_counter() - t0)
+    s = statistics.median(times[1:])
+    print(json.dumps({"who": "rl_fusion_jax", "dtype": dtype, "scan_unroll": int(unroll), "batch": b,
+                      "new_tokens": n, "first_s": round(times[0], 1), "seconds": round(s, 3),
+                      "tokens_per_s": round(b * n / s, 1), "ms_per_step": round(1000 * s / n, 1)}), flush=True)
+  if _REF_PYTHON.value:
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_generate_reference.py")
+    subprocess.run([_REF_PYTHON.value, script, f"--hf_path={_HF_PATH.value}", f"--batch={b}",
+                    f"--new_tokens={n}", f"--repeats={_REPEATS.value}"], check=True, stdout=sys.stdout)
+
+
+if __name__ == "__main__":
+  app.run(main)
