@@ -41,7 +41,7 @@ VARIANTS = {
     "arithmetic": _FAMILY + ["moe"] + [f"moe,{v}" for v in _FAMILY if v],
     "countdown": _FAMILY + ["moe"] + [f"moe,{v}" for v in _FAMILY if v],
     "gsm8k": _FAMILY + ["moe"] + [f"moe,{v}" for v in _FAMILY if v],
-    "gsm8k_chat": [""],
+    "gsm8k_chat": ["", "cpu"],
     "stalesync_longtail": [""],
     "tiny_grpo": ["", "kl"],
 }

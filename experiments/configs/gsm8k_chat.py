@@ -20,7 +20,9 @@ at start with an error saying to pass it; a template that does not render, a pro
 without a chat template all fail before anything compiles, naming the file or field.
 
 Hardware and runtime: meant for one GPU (or more: raise ``mesh.data`` / ``mesh.fsdp``); not yet measured
-on one, so no expected result is given here. tests/chat_test.py runs this config end to end for 2 steps on
+on one, so no expected result is given here. ``:cpu`` picks the settings that are fast on a CPU backend
+(float32, a rolled layer scan, no remat, one device: see the variant's comment); no RL run of it has been
+measured yet. tests/chat_test.py runs this config end to end for 2 steps on
 a tiny random checkpoint (rl_fusion_jax/testing/chat_fixture.py) on CPU.
 """
 import os
@@ -36,8 +38,8 @@ SAMPLE = os.path.join(os.path.dirname(os.path.dirname(_HERE)), "rl_fusion_jax", 
 
 
 def get_config(arg: str = ""):
-  if arg:
-    raise ValueError(f"gsm8k_chat.py has no variants; got {arg!r}")
+  if arg not in ("", "cpu"):
+    raise ValueError(f"unknown variant {arg!r} of gsm8k_chat.py; known: cpu")
   c = runpy.run_path(_ARITHMETIC)["get_config"]()
   # The architecture comes from DIR/config.json (the model fields left None are not given); only the
   # runtime fields are chosen here: bfloat16 compute over float32 master weights (generation on the
@@ -51,4 +53,12 @@ def get_config(arg: str = ""):
   c.optim.update(learning_rate=1e-6, warmup_steps=10)
   c.warmup.steps = 0
   c.run.update(steps=200, checkpoint_every=50, progress_every_s=30.0, eval_every=50)
+  if arg == "cpu":
+    # The settings that are fast on a CPU (BENCHMARKS.md, "Real-model decode on CPU and the stacked layer
+    # tree"): float32 compute (bfloat16 arithmetic is slower on CPUs without native bfloat16), a rolled
+    # layer scan (unrolled, every layer's slice of the stacked
+    # weights is copied before its matmuls: 303 ms against 123 ms a decode step of SmolLM2-135M), no
+    # remat, and one device (two would each read every weight for half the rows).
+    c.model.update(dtype="float32", remat="none", scan_unroll=1)
+    c.mesh.cpu_devices = 1
   return c
