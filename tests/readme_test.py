@@ -112,12 +112,17 @@ def readme_commands(text: str) -> list[list[str]]:
   return commands
 
 
+# Configs that need a checkpoint folder from the command line: their variants are parsed with one (DIR,
+# replaced by the test's checkpoint like every placeholder).
+NEEDS_CHECKPOINT = {"gsm8k_chat": ["--config.model.hf_path=DIR"]}
+
+
 def readme_variants(text: str) -> list[list[str]]:
   """``--config=experiments/configs/<name>.py:<variant>`` for every ``<name>.py:<variant>`` named."""
   names = {p.stem for p in (ROOT / "experiments" / "configs").glob("*.py")}
   found = sorted({(n, v) for n, v in re.findall(r"\b(\w+)\.py:(\w+(?:,\w+)*)", text) if n in names})
-  return [["experiments/grpo_main.py", f"--config=experiments/configs/{n}.py:{v}", "--workdir=/tmp/readme"]
-          for n, v in found]
+  return [["experiments/grpo_main.py", f"--config=experiments/configs/{n}.py:{v}", "--workdir=/tmp/readme",
+           *NEEDS_CHECKPOINT.get(n, [])] for n, v in found]
 
 
 # Values the README writes as <placeholder> in override fragments.
