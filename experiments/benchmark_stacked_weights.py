@@ -19,6 +19,8 @@ import time
 import numpy as np
 from absl import app, flags
 
+import common
+
 _LAYERS = flags.DEFINE_integer("layers", 30, "Layers.")
 _HIDDEN = flags.DEFINE_integer("hidden", 576, "Hidden size.")
 _MLP = flags.DEFINE_integer("mlp", 1536, "MLP hidden size.")
@@ -29,14 +31,7 @@ _CACHE_LEN = flags.DEFINE_integer("cache_len", 160, "KV cache positions of the -
 
 
 def _median_ms(fn, *args) -> float:
-  import jax
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(_REPEATS.value):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return 1000 * float(np.median(times))
+  return 1000 * common.median_seconds(fn, *args, repeats=_REPEATS.value)
 
 
 def main(argv):
