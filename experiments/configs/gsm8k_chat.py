@@ -55,8 +55,8 @@ def get_config(arg: str = ""):
   c.run.update(steps=200, checkpoint_every=50, progress_every_s=30.0, eval_every=50)
   if arg == "cpu":
     # The settings that are fast on a CPU (BENCHMARKS.md, "Real-model decode on CPU and the stacked layer
-    # tree"): float32 compute (bfloat16 arithmetic is slower on CPUs without native bfloat16), a rolled
-    # layer scan (unrolled, every layer's slice of the stacked
+    # tree"): float32 compute (bfloat16 decoded 3.2x slower than float32 on a 2-core AMD EPYC without
+    # native bfloat16), a rolled layer scan (unrolled, every layer's slice of the stacked
     # weights is copied before its matmuls: 303 ms against 123 ms a decode step of SmolLM2-135M), no
     # remat, and one device (two would each read every weight for half the rows).
     c.model.update(dtype="float32", remat="none", scan_unroll=1)
