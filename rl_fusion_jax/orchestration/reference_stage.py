@@ -49,7 +49,7 @@ def _scatter(buffer_ct, logp_rw, row_k, start_k, length_k, dest_k):
 
 def _gather_packed(buffer_ct, slot_b, row_b, start_b, length_b, *, num_rows: int, width: int):
   """The buffer rows of samples ``slot_b`` laid out as packed rows [num_rows, width] (0 outside them)."""
-  k_rw, pos_rw, inside = packed_step._covering(num_rows, width, row_b, start_b, length_b)
+  k_rw, pos_rw, inside = packed_step.covering(num_rows, width, row_b, start_b, length_b)
   return jnp.where(inside, buffer_ct[slot_b[k_rw], jnp.clip(pos_rw, 0, buffer_ct.shape[1] - 1)], 0.0)
 
 
@@ -69,8 +69,7 @@ class ReferenceStage:
     self.row_layout = packed_step.make_row_layout(self.mesh)
     self.shards = mesh_lib.batch_shards(self.mesh)
     self.group = timeline_group
-    b2, rep = mesh_lib.batch_sharding(self.mesh, 2), mesh_lib.replicated(self.mesh)
-    self._rep, self._b2 = rep, b2
+    rep = self._rep = mesh_lib.replicated(self.mesh)
     self._scatter = jax.jit(_scatter, out_shardings=rep, donate_argnums=(0,))
     self.buffer = jax.device_put(np.zeros((capacity, self.seq_len), np.float32), rep)
     self.slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()   # sample id -> row, oldest first

@@ -279,7 +279,7 @@ def rows_from_stream(data_xl, table_6b, version_base, *, num_rows: int, width: i
   row_b = row_b - 1
   data_gn = data_xl.reshape(groups, -1).astype(jnp.uint32)
   n = data_gn.shape[1]
-  k_rw, pos_rw, inside = _covering(num_rows, width, row_b, start_b, length_b)
+  k_rw, pos_rw, inside = covering(num_rows, width, row_b, start_b, length_b)
   prompt_rw, offset_rw, length_rw = prompt_len_b[k_rw], offset_b[k_rw], length_b[k_rw]
   response = inside & (pos_rw >= prompt_rw)
   j_rw = pos_rw - prompt_rw
@@ -310,7 +310,7 @@ def _rows_from_stream_fn(mesh: Mesh, num_rows: int, width: int, fmt: packing.Str
                  out_shardings=PackedRows(b2, b2, b2, rep, rep, rep, rep, rep))
 
 
-def _covering(num_rows: int, width: int, row_k, start_k, length_k):
+def covering(num_rows: int, width: int, row_k, start_k, length_k):
   """Which of K samples placed at (``row_k``, ``start_k``) with ``length_k`` tokens covers each position of
   [num_rows, width] rows -> (k_rw: its index, clipped to 0 on padding; pos_rw: the position within it;
   inside_rw: the position is one of its tokens). Samples of length 0 or row -1 take no place."""
@@ -328,7 +328,7 @@ def row_layout(rows: PackedRows):
   """(positions_rw, segment_ids_rw, sample_rw, mask_rw) of the packed rows, from the per-sample layout:
   positions restart at 0 per sample, segment ids as ``packing``'s, sample_rw the sample's index (-1 on
   padding), mask_rw 1 on response tokens (from the prompt length to the sample's end)."""
-  s_rw, pos_rw, inside = _covering(*rows.tokens_rw.shape, rows.row_b, rows.start_b, rows.length_b)
+  s_rw, pos_rw, inside = covering(*rows.tokens_rw.shape, rows.row_b, rows.start_b, rows.length_b)
   return (jnp.where(inside, pos_rw, 0), jnp.where(inside, rows.segment_b[s_rw], 0), jnp.where(inside, s_rw, -1),
           (inside & (pos_rw >= rows.prompt_len_b[s_rw])).astype(jnp.float32))
 
@@ -357,7 +357,7 @@ def mini_batch_rows(batch: PackedTrainBatch, row_b, start_b, length_b, sub_row_k
   is carried over token by token, segment ids are renumbered per row. Only the [K] placement crosses from
   the host; the positions each token comes from are ``packing.source_map``'s, derived here."""
   width = batch.tokens_rw.shape[1]
-  k_rw, pos_rw, real = _covering(num_rows, width, sub_row_k, sub_start_k, length_b[index_k])
+  k_rw, pos_rw, real = covering(num_rows, width, sub_row_k, sub_start_k, length_b[index_k])
   b_rw = index_k[k_rw]
   src = jnp.where(real, row_b[b_rw] * width + start_b[b_rw] + pos_rw, 0)
   take = lambda x_rw, fill: jnp.where(real, x_rw.reshape(-1)[src], fill)
