@@ -462,6 +462,12 @@ class OptimConfig:
   # The RL update on packed rows (several samples per row, train/packing.py): same loss and gradients,
   # no padding positions; row counts are bucketed, one compile per bucket used.
   pack_rows: bool = False
+  # The padded update's row width. False: rollout.seq_len on every step, so the update, the reference and
+  # the reward model each compile once per run (no compile mid-run). True: the batch's longest sample
+  # rounded up to a width bucket (train/step.py::train_width): less compute on batches of short samples,
+  # and a compile each time a run first meets a width (seconds each, mid-run). The packed update
+  # (pack_rows) drops padding positions either way.
+  width_buckets: bool = False
   # With mesh.stage > 1: each micro-batch above runs through the layer pipeline in this many pieces
   # (GPipe, sharding/pipeline.py; idle share of the stages (stage - 1) / (pieces + stage - 1)). 0: mesh.stage.
   pipeline_micro_batches: int = 0

@@ -291,7 +291,8 @@ def _place_packed(setup: Setup, programs: Programs, rollout: Rollout):
   rows, link = packed_step.place_rows(programs.mesh, layout, tokens_bt=rollout.tokens_bt,
                                       behaviour_logp_bt=rollout.logp_bt, version_bt=rollout.version_bt,
                                       prompt_len_b=rollout.prompt_len_b, vocab_size=cfg.model.config.vocab_size,
-                                      max_version_span=cfg.stalesync.max_staleness if cfg.stalesync.enabled else 0)
+                                      max_version_span=cfg.stalesync.max_staleness if cfg.stalesync.enabled else 0,
+                                      padded_width=batch_width(cfg, lengths))
   stats = {"pack/rows": float(layout.num_rows), "pack/rows_used": float(layout.rows_used),
            "pack/padding_frac": float(1 - lengths.sum() / (layout.num_rows * layout.width)),
            "pack/stream_bytes": link.pop("stream_bytes"), "pack/stream_used_bytes": link.pop("stream_used_bytes"),
@@ -374,8 +375,11 @@ def _padded_updates(setup: Setup, programs: Programs, state, step: int, batch):
 
 
 def batch_width(cfg, length_b) -> int:
-  """The row width the update runs at: the longest sample (prompt + response, ``length_b``) rounded up to
-  a width bucket (``step.train_width``); the positions past it are padding in every row."""
+  """The row width the padded update runs at: ``rollout.seq_len`` (one program shape per run), or with
+  ``optim.width_buckets`` the longest sample (prompt + response, ``length_b``) rounded up to a width
+  bucket (``step.train_width``); the positions past it are padding in every row."""
+  if not cfg.optim.width_buckets:
+    return cfg.rollout.seq_len
   return step_lib.train_width(int(np.max(length_b, initial=0)), cfg.rollout.seq_len)
 
 
@@ -428,9 +432,10 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
   update the critic takes one regression step on those returns (timeline phase ``critic``).
   """
   cfg, d = setup.cfg, programs.deployment
-  width = batch_width(cfg, np.asarray(rollout.prompt_len_b) + np.asarray(rollout.response_len_b))
+  length_b = np.asarray(rollout.prompt_len_b) + np.asarray(rollout.response_len_b)
+  width = batch_width(cfg, length_b)
   rollout = cut_width(rollout, width)
-  metrics = {}
+  metrics = {"sample_len_max": float(length_b.max(initial=0))}   # what optim.width_buckets would cut to
   t0 = time.perf_counter()
   ref_call = rm_call = rows = None
   if programs.packed_inputs:     # packed rows straight from the host's samples (no padded batch)

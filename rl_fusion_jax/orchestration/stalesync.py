@@ -124,7 +124,7 @@ class StaleSync:
     from the same reads; of several processes (each holds a replica of the queue, filled alike), the rows
     the other processes fed come from one uncounted read of this replica (``counted=False``), so the
     queue's byte counters hold what this process fed. Both are as wide as the update runs
-    (``phases.batch_width`` of the admitted samples' lengths), never ``seq_len`` when that is wider.
+    (``phases.batch_width``: ``seq_len``, or with ``optim.width_buckets`` the admitted samples' bucket).
     With the packed update taking its rows from the host (``programs.packed_inputs``) there is no device
     Rollout (None): the admitted samples are read once, as the host Rollout."""
     order = np.sort(np.asarray(indices, np.int64))

@@ -224,7 +224,8 @@ class PackedRows:
 
 
 def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_bt, version_bt, prompt_len_b,
-               vocab_size: int, max_version_span: int = 0) -> tuple[PackedRows, dict[str, float]]:
+               vocab_size: int, max_version_span: int = 0, padded_width: int | None = None
+               ) -> tuple[PackedRows, dict[str, float]]:
   """Host samples (right-padded rows, any width >= their lengths) -> ``PackedRows`` on ``mesh``, and the
   bytes put.
 
@@ -238,7 +239,8 @@ def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_
   ``packing.plan(..., groups=batch_shards(mesh))`` so the groups' streams are alike in length.
   Bytes: ``host_to_device`` (the streams, once per group, and 6 numbers per sample + 1), its padded
   equivalent ``host_to_device_padded`` (tokens, log-probs and versions as int32 / float32
-  [B, step.train_width] rows, what the padded update places, and the same per-sample numbers) and
+  [B, padded_width] rows, what the padded update places, and the same per-sample numbers; default width:
+  the longest sample's ``step.train_width`` bucket) and
   ``host_to_device_per_device`` (the most one device was sent: its part of its group's stream and the
   replicated per-sample numbers); ``stream_bytes`` (each group's stream length) and ``stream_used_bytes``
   (the bytes holding samples, all groups)."""
@@ -262,7 +264,7 @@ def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_
   table_dev, base = jax.device_put((table, np.int32(stream.version_base)), replicated(mesh))
   rows = _rows_from_stream_fn(mesh, layout.num_rows, layout.width, stream.fmt)(data, table_dev, base)
   sample_bytes = table.nbytes + 4
-  width = step_lib.train_width(int(layout.length_b.max(initial=0)), layout.width)
+  width = padded_width or step_lib.train_width(int(layout.length_b.max(initial=0)), layout.width)
   return rows, {"stream_bytes": float(stream.bytes_gn.shape[1]), "stream_used_bytes": float(stream.used_bytes),
                 "host_to_device": float(stream.bytes_gn.nbytes + sample_bytes),
                 "host_to_device_padded": float(3 * 4 * len(layout.length_b) * width + sample_bytes),

@@ -4,8 +4,9 @@ Each is compiled once per batch shape with explicit in/out shardings and the sta
 accumulate over micro-batches in a ``lax.scan``; the loss aggregation is expressed as per-token weights
 computed on the whole batch first (``registry.AGGREGATIONS[algo.aggregation]``), so accumulation gives
 exactly the full-batch gradient. Micro-batches take every M-th row, so each device's shard contributes equally to
-every micro-batch. The RL step derives M from the batch's static shape (``MicroBatching``) and the host
-cuts the batch width to the longest sample (``train_width``), so each width compiles once.
+every micro-batch. The RL step derives M from the batch's static shape (``MicroBatching``). The loop runs
+it at ``rollout.seq_len`` (one compile per run); with ``optim.width_buckets`` the host cuts the batch width
+to the longest sample's bucket (``train_width``), and each width compiles once.
 """
 from __future__ import annotations
 
