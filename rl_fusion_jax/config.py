@@ -468,6 +468,12 @@ class OptimConfig:
   # and a compile each time a run first meets a width (seconds each, mid-run). The packed update
   # (pack_rows) drops padding positions either way.
   width_buckets: bool = False
+  # The packed update at one row count per run (the largest row bucket, which holds any batch) instead of
+  # a row bucket per batch: the update and the reference forward compile once, and their micro-batches
+  # of padding rows only are skipped at run time, so their compute follows the rows used, rounded up to
+  # whole micro-batches (only with several micro-batches: tokens_per_micro_batch or micro_batches). A
+  # critic's and a reward model's forward run on every row. Needs pack_rows; not with mesh.stage > 1.
+  fixed_row_count: bool = False
   # With mesh.stage > 1: each micro-batch above runs through the layer pipeline in this many pieces
   # (GPipe, sharding/pipeline.py; idle share of the stages (stage - 1) / (pieces + stage - 1)). 0: mesh.stage.
   pipeline_micro_batches: int = 0
@@ -572,6 +578,10 @@ class ExperimentConfig:
              "filters on the verifier's rewards and cannot be combined with task.reward_model")
     _require(not self.critic.init or a.uses_critic, "critic.init",
              f"is set but algo.advantage={a.advantage!r} uses no critic")
+    _require(not self.optim.fixed_row_count or self.optim.pack_rows, "optim.fixed_row_count",
+             "fixes the packed update's row count; set optim.pack_rows=True")
+    _require(not self.optim.fixed_row_count or self.mesh.stage == 1, "optim.fixed_row_count",
+             f"skips micro-batches of padding in the update without pipeline stages; mesh.stage={self.mesh.stage}")
     _require(not (self.optim.pack_rows and self.algo.policy_loss == "tis_seq"), "optim.pack_rows",
              "the sequence-level loss 'tis_seq' sums over a row and cannot take packed rows")
     _require(r.batch_size % self.optim.micro_batches == 0, "optim.micro_batches",

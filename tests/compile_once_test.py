@@ -1,6 +1,9 @@
-"""The main job's config compiles every program in its first RL step and none after it, although its
-batches' longest samples fall in more than one width bucket (``step.train_width``: what
-``optim.width_buckets`` would cut each batch to, one compile per new width)."""
+"""Programs compiled in a run's first RL step and not after it.
+
+The main job's config compiles none after its first step, although its batches' longest samples fall in
+more than one width bucket (``step.train_width``: what ``optim.width_buckets`` would cut each batch to,
+one compile per new width). A packed update with ``optim.fixed_row_count`` compiles nothing after its first
+step either, although its batches fill different row buckets and their streams differ in length."""
 import importlib.util
 import pathlib
 
@@ -9,6 +12,8 @@ import jax
 from rl_fusion_jax import config as config_lib
 from rl_fusion_jax.orchestration import loop, phases
 from rl_fusion_jax import metrics as metrics_lib
+from rl_fusion_jax.testing.experiments import tiny
+from rl_fusion_jax.train import packing
 from rl_fusion_jax.train import step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -32,10 +37,11 @@ def main_job(**overrides) -> config_lib.ExperimentConfig:
   return config_lib.experiment_from_dict(c.to_dict())
 
 
-def traces_per_step(cfg, workdir: str) -> tuple[list[int], list[dict]]:
-  """(jaxpr traces during each RL step and after it until the next, step 1 first; the steps' metrics)."""
+def traces_per_step(cfg, workdir: str) -> tuple[list[list[str]], list[dict]]:
+  """(the functions traced during each RL step and after it until the next, step 1 first; the steps'
+  metrics)."""
   events: list[str] = []
-  listener = lambda event, duration, **kw: events.append(event) if event == TRACE else None
+  listener = lambda event, duration, **kw: events.append(kw.get("fun_name", "?")) if event == TRACE else None
   jax.monitoring.register_event_duration_secs_listener(listener)
   marks: list[int] = []
   original = phases.rl_step
@@ -52,13 +58,30 @@ def traces_per_step(cfg, workdir: str) -> tuple[list[int], list[dict]]:
     jax.monitoring.unregister_event_duration_listener(listener)
   bounds = marks + [len(events)]
   rows = [r for r in metrics_lib.read_metrics(workdir) if "loss" in r]
-  return [b - a for a, b in zip(bounds, bounds[1:])], rows
+  return [events[a:b] for a, b in zip(bounds, bounds[1:])], rows
 
 
 def test_main_job_compiles_nothing_after_its_first_step(tmp_path):
   traces, rows = traces_per_step(main_job(), str(tmp_path))
-  assert len(traces) == 8 and traces[0] > 0
-  assert traces[1:] == [0] * 7, traces          # steps 2.. and the final evaluation: no new program
+  assert len(traces) == 8 and "rl_step" in traces[0]
+  assert traces[1:] == [[]] * 7, traces          # steps 2.. and the final evaluation: no new program
   assert {r["train_width"] for r in rows} == {14.0}
   buckets = [step_lib.train_width(int(r["sample_len_max"]), 14) for r in rows]
   assert len(set(buckets)) > 1, buckets
+
+
+def test_fixed_row_count_compiles_the_packed_update_once(tmp_path):
+  # Chained-arithmetic responses of 2-8 operands: the batches fill 18-25 rows of 8 x 8 (rows split over the
+  # 8 batch shards); row buckets 24 and 32 would each compile the update.
+  cfg = tiny(**{"rollout.num_prompts": 16, "rollout.group_size": 4, "run.steps": 6, "run.checkpoint_every": 0,
+                "rollout.max_prompt_len": 25, "rollout.max_new_tokens": 20, "model.max_position_embeddings": 48,
+                "task.name": "arithmetic_steps", "task.kwargs": dict(min_terms=2, max_terms=8, tail=2.0),
+                "warmup.steps": 30, "warmup.learning_rate": 3e-3, "optim.pack_rows": True,
+                "optim.tokens_per_micro_batch": 128, "optim.fixed_row_count": True})
+  traces, rows = traces_per_step(cfg, str(tmp_path))
+  assert traces[0].count("packed_rl_step") == 1
+  assert traces[1:] == [[]] * 5, traces
+  assert {r["pack/rows"] for r in rows} == {64.0}
+  assert len({r["pack/stream_bytes"] for r in rows}) > 1     # bucketed, each length would compile
+  buckets = packing.row_buckets(cfg.rollout.batch_size, 8, per_doubling=2)
+  assert len({packing.choose_rows(int(r["pack/rows_used"]), buckets) for r in rows}) > 1

@@ -95,6 +95,18 @@ def test_rows_are_dealt_round_robin_over_the_groups():
   np.testing.assert_array_equal(dealt.start_b, plain.start_b)
 
 
+def test_rows_fill_micro_batches_in_order():
+  # The same 4 filled rows, 2 groups of 4 rows, 2 micro-batches (micro-batch m: rows m, m + 2, ...): a
+  # group's k-th filled row goes to its row (k % 2) * 2 + k // 2, so rows 0, 4, 2, 6 (micro-batch 0) are
+  # filled and rows 1, 3, 5, 7 (micro-batch 1) are all padding.
+  length_b = np.array([10, 9, 8, 7, 3, 2])
+  laid = packing.plan(length_b, 12, (8,), groups=2, micro=2)
+  np.testing.assert_array_equal(laid.row_b, [0, 4, 2, 6, 4, 0])
+  np.testing.assert_array_equal(laid.start_b, packing.plan(length_b, 12, (8,)).start_b)
+  with pytest.raises(ValueError, match="8 rows do not split over 2 groups x 3 micro-batches"):
+    packing.plan(length_b, 12, (8,), groups=2, micro=3)
+
+
 def test_stream_rows_on_a_group_of_four_devices():
   # data=2, tensor=4: each group's stream is split in 4 parts, one per device, gathered on the device; the
   # rows equal the host packer's.
@@ -111,6 +123,50 @@ def test_stream_rows_on_a_group_of_four_devices():
   streams = link["host_to_device"] - 12 * 16 - 4
   assert streams == 2 * link["stream_bytes"] and link["stream_bytes"] % 4 == 0
   assert link["host_to_device_per_device"] - 12 * 16 - 4 == streams / 8   # a quarter of one of 2 groups
+
+
+def capped(seed: int, cap: int):
+  """``samples(seed)`` with every response cut to at most ``cap`` tokens."""
+  prompt_b, response_b, tokens_bt, logp_bt, version_bt, mask_bt = samples(seed)
+  response_b = np.minimum(response_b, cap).astype(np.int32)
+  inside_bt = np.arange(SEQ_LEN)[None] < (prompt_b + response_b)[:, None]
+  resp_bt = inside_bt & (np.arange(SEQ_LEN)[None] >= prompt_b[:, None])
+  return (prompt_b, response_b, np.where(inside_bt, tokens_bt, 0).astype(np.int32),
+          np.where(resp_bt, logp_bt, 0).astype(np.float32), np.where(resp_bt, version_bt, -1).astype(np.int32),
+          resp_bt.astype(np.float32))
+
+
+@pytest.mark.parametrize("tensor", [1, 4])
+def test_streams_in_pages_give_the_same_rows_at_every_length(tensor):
+  # data=2 (x tensor=4: each page split over a group's 4 devices). Pages of 256 bytes per device into a
+  # 16-row buffer of 7 pages (2 of 1024 with tensor=4): batches of 16 samples with responses of at most 2,
+  # 16 and all tokens send 1, 2 and 2 pages per group (1 with tensor=4), and the rows equal the host
+  # packer's and the unpaged placement's; one program rebuilds them at every length.
+  mesh = make_mesh(MeshConfig(data=2, tensor=tensor), jax.devices()[:2 * tensor])
+  pages = packed_step.StreamPages(mesh, 16, SEQ_LEN, token_bytes=1, max_pages=16 // tensor)
+  capacity = 8 * SEQ_LEN * (1 + 8)               # a group's 8 rows of 24 tokens, 1 + 4 + 4 bytes each
+  assert (pages.device_bytes, pages.page_bytes, pages.pages) == (256, 256 * tensor, -(-capacity // (256 * tensor)))
+  sizes = set()
+  for seed, cap in ((1, 2), (2, 16), (3, SEQ_LEN)):
+    prompt_b, response_b, tokens_bt, logp_bt, version_bt, mask_bt = capped(seed, cap)
+    layout = packing.plan(prompt_b + response_b, SEQ_LEN, (16,), groups=2)
+    kw = dict(tokens_bt=tokens_bt, behaviour_logp_bt=logp_bt, version_bt=version_bt, prompt_len_b=prompt_b,
+              vocab_size=128, max_version_span=2)
+    rows, link = packed_step.place_rows(mesh, layout, pages=pages, **kw)
+    plain, plain_link = packed_step.place_rows(mesh, layout, **kw)
+    host = packing.pack_batch(layout, tokens_bt=tokens_bt, mask_bt=mask_bt, advantages_bt=mask_bt,
+                              behaviour_logp_bt=logp_bt, ref_logp_bt=mask_bt, version_bt=version_bt)
+    for name in ("tokens_rw", "behaviour_logp_rw", "version_rw"):
+      np.testing.assert_array_equal(jax.device_get(getattr(rows, name)), getattr(host, name), err_msg=name)
+      np.testing.assert_array_equal(jax.device_get(getattr(rows, name)), jax.device_get(getattr(plain, name)))
+    group_b = layout.row_b // 8
+    most = max(stream_bytes_by_hand(prompt_b, response_b, 1, 1)[group_b == g].sum() for g in range(2))
+    assert link["stream_bytes"] == pages.page_bytes * max(1, -(-most // pages.page_bytes))
+    assert link["stream_used_bytes"] == plain_link["stream_used_bytes"]
+    assert link["host_to_device_per_device"] - 12 * 16 - 4 == link["stream_bytes"] / tensor
+    sizes.add(link["stream_bytes"])
+  assert sizes == ({256.0, 512.0} if tensor == 1 else {1024.0})
+  assert packed_step._rows_from_stream_fn(mesh, 16, SEQ_LEN, packing.StreamFormat(1, 1), True)._cache_size() == 1
 
 
 def test_per_sample_numbers_widen_to_int32_when_they_do_not_fit_16_bits():

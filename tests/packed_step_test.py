@@ -1,5 +1,6 @@
 """Packed training: the host packer (by hand, round trip, buckets) and the packed RL step, which must give
 the padded step's loss, metrics and updated parameters, compiling once per row bucket."""
+import dataclasses
 import subprocess
 import sys
 
@@ -217,6 +218,54 @@ def test_packed_step_compiles_once_per_bucket():
   assert rows == [8, 16, 8, 16]
   assert packed._cache_size() == 2
   assert int(state.policy_version) == 4
+
+
+def test_fixed_row_count_skips_the_micro_batches_of_padding():
+  """One large row count (64 rows, 4 micro-batches; rows laid out to fill micro-batch 0 first) with the
+  padding micro-batches skipped gives the update of the smallest bucket (16 rows, one micro-batch), and
+  the skip is real: NaN log-probs on the rows of the padding micro-batches (weight 0 there) never reach
+  the update, as they do without it."""
+  algo = AlgoConfig(aggregation="seq-mean-token-mean", kl_coef=0.1)
+  tx = optax.sgd(1.0)
+  mesh, new_state, _, packed = make_steps(algo, 1, tx)
+  ssh = state_lib.state_shardings(tx, models.abstract_params(CFG), param_shardings(
+      models.abstract_params(CFG), models.param_logical_axes(CFG), mesh, TRAIN_RULES), mesh)
+  fixed = packed_step.make_packed_rl_step(CFG, algo, 1.0, tx, 4, mesh, T, ssh, skip_empty=True)
+  unskipped = packed_step.make_packed_rl_step(CFG, algo, 1.0, tx, 4, mesh, T, ssh)
+  fields, length = host_batch(21)
+  small = packing.plan(length, WIDTH, (16,), groups=8)
+  large = packing.plan(length, WIDTH, (64,), groups=8, micro=4)
+  # 9 rows used: at most 2 per group, which micro-batch 0 holds (2 rows of each group's 8).
+  assert small.rows_used == 9 and (large.row_b % 4 == 0).all()
+  s1, m1 = packed(new_state(), packed_step.device_batch(mesh, packing.pack_batch(small, **fields)))
+  s2, m2 = fixed(new_state(), packed_step.device_batch(mesh, packing.pack_batch(large, **fields)))
+  assert float(m2["nonfinite"]) == 0.0
+  for name in m1:
+    np.testing.assert_allclose(float(m2[name]), float(m1[name]), rtol=RTOL, atol=ATOL, err_msg=name)
+  for a, b in zip(jax.tree.leaves(s2.params), jax.tree.leaves(s1.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL)
+  poisoned = packing.pack_batch(large, **fields)          # NaN on the rows of micro-batches 1, 2 and 3
+  logp = np.where(np.arange(64)[:, None] % 4 == 0, poisoned.behaviour_logp_rw, np.nan).astype(np.float32)
+  poisoned = dataclasses.replace(poisoned, behaviour_logp_rw=logp)
+  _, m3 = fixed(new_state(), packed_step.device_batch(mesh, poisoned))
+  _, m4 = unskipped(new_state(), packed_step.device_batch(mesh, poisoned))
+  assert float(m3["nonfinite"]) == 0.0 and float(m3["loss"]) == pytest.approx(float(m1["loss"]), rel=RTOL)
+  assert float(m4["nonfinite"]) != 0.0
+
+
+def test_packed_logprobs_skip_the_micro_batches_of_padding():
+  mesh = make_mesh(MeshConfig(data=2, fsdp=4))
+  psh = param_shardings(models.abstract_params(CFG), models.param_logical_axes(CFG), mesh, TRAIN_RULES)
+  params = jax.device_put(models.init_params(CFG, jax.random.key(0), init_std=0.3), psh)
+  fields, length = host_batch(21)
+  p = packing.pack_batch(packing.plan(length, WIDTH, (64,), groups=8, micro=4), **fields)
+  args = [jnp.asarray(x) for x in (p.tokens_rw, p.positions_rw, p.segment_ids_rw)]
+  whole = packed_step.make_packed_logprob_fn(CFG, 1.0, mesh, psh)(params, *args)
+  skipped = packed_step.make_packed_logprob_fn(CFG, 1.0, mesh, psh, skip_micro=4)(params, *args)
+  real = p.segment_ids_rw != 0
+  assert real[np.arange(64) % 4 != 0].sum() == 0
+  np.testing.assert_allclose(np.asarray(skipped)[real], np.asarray(whole)[real], rtol=RTOL, atol=ATOL)
+  assert (np.asarray(skipped)[np.arange(64) % 4 != 0] == 0).all()
 
 
 def test_packed_logprobs_never_read_across_samples():

@@ -90,8 +90,10 @@ def get_config(arg: str = ""):
     c.rollout.max_prompt_len, c.rollout.max_new_tokens = 25, 44   # a BOS token + 24 characters; 43 + EOS
     c.model.max_position_embeddings = 72
     # The update on packed rows: its cost follows the responses' real tokens (mean ~8 characters), not
-    # the 69-column padded width that the longest response of a batch sets.
+    # the 69-column padded width that the longest response of a batch sets. One row count for the whole
+    # run (the update compiles once; its micro-batches of padding rows are skipped).
     c.optim.pack_rows = True
+    c.optim.fixed_row_count = True
     if arg == "steps_long":
       # A heavier tail (2-20 operands, geometric mean 3 extra): responses of ~12 characters on average, the
       # longest of an update ~60 (at most 75).

@@ -26,6 +26,7 @@ def get_config(arg: str = ""):
   c.rollout.forced_length_median = 8       # sigma: the default 0.8
   c.algo.policy_loss = "decoupled_ppo"
   c.optim.pack_rows = True
+  c.optim.fixed_row_count = True           # the update compiles once (no row bucket met mid-run)
   c.task.eval_problems = 16
   c.warmup.steps = 0
   c.run.steps = 11

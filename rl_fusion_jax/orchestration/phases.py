@@ -286,13 +286,13 @@ def _place_packed(setup: Setup, programs: Programs, rollout: Rollout):
   update's)."""
   lengths = np.asarray(rollout.prompt_len_b) + np.asarray(rollout.response_len_b)
   layout = packing.plan(lengths, setup.cfg.rollout.seq_len, programs.row_buckets,
-                        groups=mesh_lib.batch_shards(programs.mesh))
+                        groups=mesh_lib.batch_shards(programs.mesh), micro=programs.plan_micro)
   cfg = setup.cfg
   rows, link = packed_step.place_rows(programs.mesh, layout, tokens_bt=rollout.tokens_bt,
                                       behaviour_logp_bt=rollout.logp_bt, version_bt=rollout.version_bt,
                                       prompt_len_b=rollout.prompt_len_b, vocab_size=cfg.model.config.vocab_size,
                                       max_version_span=cfg.stalesync.max_staleness if cfg.stalesync.enabled else 0,
-                                      padded_width=batch_width(cfg, lengths))
+                                      padded_width=batch_width(cfg, lengths), pages=programs.stream_pages)
   stats = {"pack/rows": float(layout.num_rows), "pack/rows_used": float(layout.rows_used),
            "pack/padding_frac": float(1 - lengths.sum() / (layout.num_rows * layout.width)),
            "pack/stream_bytes": link.pop("stream_bytes"), "pack/stream_used_bytes": link.pop("stream_used_bytes"),
@@ -325,7 +325,7 @@ def _packed_rows_update(setup: Setup, programs: Programs, state, step: int, rows
   seq_len, rep = setup.cfg.rollout.seq_len, rows.row_b.sharding
 
   def select(indices):
-    sub = packing.plan(layout.length_b[indices], seq_len, programs.mini_row_buckets)
+    sub = packing.plan(layout.length_b[indices], seq_len, programs.mini_row_buckets, micro=programs.mini_plan_micro)
     placed = distributed.put(tuple(np.asarray(x, np.int32) for x in (sub.row_b, sub.start_b, indices)), rep)
     return programs.mini_batch_rows(batch, rows.row_b, rows.start_b, rows.length_b, *placed, num_rows=sub.num_rows)
 

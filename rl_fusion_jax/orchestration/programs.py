@@ -131,11 +131,13 @@ class Programs:
     self.micro = step_lib.MicroBatching.from_optim(cfg.optim, self.mesh.devices.flat[0].platform)
     self.train_step = step_lib.make_rl_step(model_cfg, cfg.algo, temperature, self.tx, self.micro, self.mesh,
                                             r.max_new_tokens, self.state_shardings, d.train_rules)
-    self.packed_step, self.row_buckets = None, ()
+    self.packed_step, self.row_buckets, self.plan_micro, self.stream_pages = None, (), 1, None
+    fixed = cfg.optim.fixed_row_count
     if cfg.optim.pack_rows:
       self.packed_step = packed_step.make_packed_rl_step(
           model_cfg, cfg.algo, temperature, self.tx, self.micro, self.mesh, r.max_new_tokens,
-          self.state_shardings, pipeline_micro=cfg.optim.pipeline_micro_batches, rules=d.train_rules)
+          self.state_shardings, pipeline_micro=cfg.optim.pipeline_micro_batches, rules=d.train_rules,
+          skip_empty=fixed)
       # With pipeline stages every micro-batch also splits into whole pipeline pieces on every batch shard.
       stages = mesh_lib.num_stages(self.mesh)
       pieces = (cfg.optim.pipeline_micro_batches or stages) if stages > 1 else 1
@@ -143,6 +145,12 @@ class Programs:
       shards = math.lcm(mesh_lib.batch_shards(self.mesh) * pieces, mesh_lib.batch_shards(d.aux_mesh))
       self._row_multiple = packing.row_multiple(shards, cfg.optim.micro_batches)
       self.row_buckets = packing.row_buckets(r.batch_size, self._row_multiple, per_doubling=2)
+      if fixed:   # one row count (the largest bucket holds any batch); rows laid out for the update's skips
+        self.row_buckets = self.row_buckets[-1:]
+        self.plan_micro = self.micro.num_micro(self.row_buckets[0], r.seq_len, mesh_lib.batch_shards(self.mesh))
+        # The streams cross as pages into one buffer: the rows are rebuilt by one program at every length.
+        self.stream_pages = packed_step.StreamPages(self.mesh, self.row_buckets[0], r.seq_len,
+                                                    packing.value_bytes(model_cfg.vocab_size))
     # Reference and reward models run on the deployment's aux mesh (the training mesh unless hybrid).
     self.aux_mesh = d.aux_mesh
     self.ref_param_shardings = (self.param_shardings if d.aux_mesh is self.mesh else
@@ -158,8 +166,9 @@ class Programs:
     # In hybrid the reference scores finished samples on its own devices while the actor's generate.
     stage = (d.mode == "hybrid" and cfg.algo.needs_reference and jax.process_count() == 1)
     if self.packed_inputs or stage:
-      self.packed_ref_logprobs = packed_step.make_packed_logprob_fn(model_cfg, temperature, d.aux_mesh,
-                                                                    self.ref_param_shardings, d.train_rules)
+      self.packed_ref_logprobs = packed_step.make_packed_logprob_fn(
+          model_cfg, temperature, d.aux_mesh, self.ref_param_shardings, d.train_rules,
+          skip_micro=self.plan_micro if d.aux_mesh is self.mesh else 1)
     self.ref_stage = (reference_stage.ReferenceStage(cfg, self, d.aux_group, 2 * (r.slots + r.batch_size))
                       if stage else None)
     if self.packed_inputs:
@@ -210,13 +219,18 @@ class Programs:
       self.take_rows = jax.jit(lambda batch, idx: jax.tree.map(lambda x: x[idx], batch),
                                out_shardings=step_lib.batch_shardings(self.mesh, proximal=True))
     else:
+      fixed = cfg.optim.fixed_row_count
       self.packed_step_prox = packed_step.make_packed_rl_step(
           model_cfg, a, temperature, self.tx, self.micro, self.mesh, r.max_new_tokens, self.state_shardings,
-          pipeline_micro=cfg.optim.pipeline_micro_batches, rules=d.train_rules, proximal=True)
-      self.policy_packed_logprobs = packed_step.make_packed_logprob_fn(model_cfg, temperature, self.mesh,
-                                                                       self.param_shardings, d.train_rules)
+          pipeline_micro=cfg.optim.pipeline_micro_batches, rules=d.train_rules, proximal=True, skip_empty=fixed)
+      self.policy_packed_logprobs = packed_step.make_packed_logprob_fn(
+          model_cfg, temperature, self.mesh, self.param_shardings, d.train_rules, skip_micro=self.plan_micro)
       self.mini_batch_rows = packed_step.make_mini_batch_rows(self.mesh)
       self.mini_row_buckets = packing.row_buckets(rows, self._row_multiple, per_doubling=2)
+      self.mini_plan_micro = 1
+      if fixed:
+        self.mini_row_buckets = self.mini_row_buckets[-1:]
+        self.mini_plan_micro = self.micro.num_micro(self.mini_row_buckets[0], r.seq_len, shards)
 
   def _reward_model(self, setup: Setup):
     """(score fn, resting params) of the learned reward model on the aux mesh, or None. The host params

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from rl_fusion_jax import algorithms, models
@@ -37,7 +38,7 @@ from rl_fusion_jax.queue.global_batch import global_batch, global_batch_once_per
 from rl_fusion_jax.sharding import pipeline
 from rl_fusion_jax.sharding.expert_parallel import with_expert_parallel
 from rl_fusion_jax.sharding.rules import TRAIN_RULES
-from rl_fusion_jax.sharding.mesh import batch_sharding, batch_shards, num_stages, replicated
+from rl_fusion_jax.sharding.mesh import BATCH_AXES, batch_sharding, batch_shards, num_stages, replicated
 from rl_fusion_jax.train import packing
 from rl_fusion_jax.train import step as step_lib
 from rl_fusion_jax.train.logprobs import head_logprobs
@@ -161,7 +162,7 @@ def pipelined_loss(model_cfg, algo: AlgoConfig, temperature: float, micro: step_
 
 def packed_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: step_lib.MicroBatching,
                    mesh: Mesh, norm_len: int, pipeline_micro: int, state: TrainState,
-                   batch: PackedTrainBatch, bump_version: bool = True):
+                   batch: PackedTrainBatch, bump_version: bool = True, skip_empty: bool = False):
   loss_w_rw = packed_token_weights(batch.mask_rw, batch.segment_ids_rw, algo.aggregation, norm_len=norm_len)
   weights = (loss_w_rw, algorithms.token_weights(batch.mask_rw, "token-mean"))
   loss_fn = functools.partial(packed_rl_loss, model_cfg, algo, temperature)
@@ -170,7 +171,8 @@ def packed_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: s
     loss_fn, num_micro = pipelined_loss(model_cfg, algo, temperature, micro, mesh, pipeline_micro,
                                         *batch.tokens_rw.shape)
   loss_fn = functools.partial(loss_fn, current_version=state.policy_version)
-  return step_lib.update(loss_fn, tx, num_micro, mesh, state, batch, weights, bump_version=bump_version)
+  return step_lib.update(loss_fn, tx, num_micro, mesh, state, batch, weights, bump_version=bump_version,
+                         skip_empty=skip_empty)
 
 
 def check_packable(algo: AlgoConfig) -> None:
@@ -181,7 +183,7 @@ def check_packable(algo: AlgoConfig) -> None:
 
 def make_packed_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx,
                         micro: step_lib.MicroBatching | int, mesh: Mesh, norm_len: int, shardings: TrainState,
-                        *, pipeline_micro: int = 0, rules=None, proximal: bool = False):
+                        *, pipeline_micro: int = 0, rules=None, proximal: bool = False, skip_empty: bool = False):
   """``train_step(state, packed_batch) -> (state, metrics)``: one compile per row bucket, state donated.
 
   Same arguments as ``step.make_rl_step``; the batch's row count must be a multiple of
@@ -191,12 +193,15 @@ def make_packed_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx,
   (``optim.pipeline_micro_batches``; ``pipelined_loss``), and the rows must also be a multiple of
   ``batch_shards * micro.count * pieces``. ``rules``: the training rule table ``shardings`` came from
   (default TRAIN_RULES; an MoE policy's experts run expert-parallel in that layout). ``proximal``:
-  batches carry ``proximal_logp_rw`` (several updates per batch).
+  batches carry ``proximal_logp_rw`` (several updates per batch). ``skip_empty``: micro-batches of padding
+  rows only are skipped at run time (``step.update``; lay rows out with ``packing.plan(..., micro=...)`` so
+  the padding rows make up whole micro-batches): with one fixed row count, compute still follows the rows
+  used.
   """
   check_packable(algo)
   micro = step_lib.as_micro_batching(micro)
   fn = functools.partial(packed_rl_step, model_cfg, algo, temperature, tx, micro, mesh, norm_len,
-                         pipeline_micro, bump_version=not proximal)
+                         pipeline_micro, bump_version=not proximal, skip_empty=skip_empty)
   fn = with_expert_parallel(fn, model_cfg, mesh, TRAIN_RULES if rules is None else rules)
   return jax.jit(fn, in_shardings=(shardings, packed_batch_shardings(mesh, proximal)),
                  out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
@@ -223,9 +228,49 @@ class PackedRows:
   segment_b: jax.Array           # int32 [B], 1.. in its row's column order
 
 
+class StreamPages:
+  """A fixed-shape device buffer for the groups' streams of one row count: ``[pages, G * C, P]`` bytes
+  (G data-parallel groups of C devices; P bytes per device and page, so a page holds C * P bytes of each
+  group's stream), split over the batch axes like the streams. A stream crosses as whole pages, each put
+  once per group (``global_batch_once_per_group``) and written into the buffer by one program of fixed
+  shape, so the program that rebuilds the rows (``rows_from_stream``) sees one shape whatever the
+  stream's length: nothing compiles when a batch's stream is longer or shorter than before. The buffer
+  holds the most a group's rows can carry: ``rows / G * width`` tokens of ``token_bytes + 8`` bytes (a
+  token id, its log-prob bits, a version of up to 4 bytes), in at most ``max_pages`` pages."""
+
+  def __init__(self, mesh: Mesh, num_rows: int, width: int, token_bytes: int, max_pages: int = 16):
+    self.mesh, self.groups = mesh, batch_shards(mesh)
+    self.devices = mesh.size // self.groups
+    capacity = num_rows // self.groups * width * (token_bytes + 8)
+    self.device_bytes = 256 * math.ceil(capacity / (max_pages * self.devices * 256))
+    self.page_bytes = self.devices * self.device_bytes       # of one group's stream
+    self.pages = math.ceil(capacity / self.page_bytes)
+    shape = (self.pages, self.groups * self.devices, self.device_bytes)
+    self.sharding = NamedSharding(mesh, P(None, BATCH_AXES, None))
+    self.buffer = jax.jit(lambda: jnp.zeros(shape, packing.STREAM_DTYPE), out_shardings=self.sharding)()
+    self._write = jax.jit(lambda buf, page, j: jax.lax.dynamic_update_index_in_dim(buf, page, j, 0),
+                          donate_argnums=(0,), out_shardings=self.sharding)
+
+  def put(self, bytes_gn: np.ndarray) -> tuple[jax.Array, int]:
+    """A ``pack_stream(..., page=page_bytes)`` stream ([G, k * page_bytes]) -> (the buffer holding it in
+    its first k pages, the most bytes sent to one device)."""
+    pages = bytes_gn.shape[1] // self.page_bytes
+    if bytes_gn.shape[1] % self.page_bytes or pages > self.pages:
+      raise ValueError(f"a stream of {bytes_gn.shape[1]} bytes per group is not a whole number of pages of "
+                       f"{self.page_bytes} bytes within the buffer's {self.pages}")
+    most = 0
+    for j in range(pages):
+      part = bytes_gn[:, j * self.page_bytes:(j + 1) * self.page_bytes].reshape(-1, self.device_bytes)
+      page, sent = global_batch_once_per_group(batch_sharding(self.mesh, 2), part.shape, part.dtype,
+                                               lambda a, b, part=part: part[a:b])
+      self.buffer = self._write(self.buffer, page, np.int32(j))
+      most += sent
+    return self.buffer, most
+
+
 def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_bt, version_bt, prompt_len_b,
-               vocab_size: int, max_version_span: int = 0, padded_width: int | None = None
-               ) -> tuple[PackedRows, dict[str, float]]:
+               vocab_size: int, max_version_span: int = 0, padded_width: int | None = None,
+               pages: StreamPages | None = None) -> tuple[PackedRows, dict[str, float]]:
   """Host samples (right-padded rows, any width >= their lengths) -> ``PackedRows`` on ``mesh``, and the
   bytes put.
 
@@ -243,7 +288,9 @@ def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_
   the longest sample's ``step.train_width`` bucket) and
   ``host_to_device_per_device`` (the most one device was sent: its part of its group's stream and the
   replicated per-sample numbers); ``stream_bytes`` (each group's stream length) and ``stream_used_bytes``
-  (the bytes holding samples, all groups)."""
+  (the bytes holding samples, all groups). ``pages``: the stream crosses as whole pages into that buffer
+  (``StreamPages``; its length a number of pages rather than a bucket), so the rows are rebuilt by one
+  program for every stream length."""
   groups = batch_shards(mesh)
   if layout.num_rows % groups:
     raise ValueError(f"{layout.num_rows} packed rows do not split over data*fsdp={groups} "
@@ -251,18 +298,22 @@ def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_
   per_group_devices = mesh.size // groups
   fmt = packing.StreamFormat(packing.value_bytes(vocab_size), packing.value_bytes(max_version_span + 1))
   stream = packing.pack_stream(layout, groups, fmt, tokens_bt=tokens_bt, behaviour_logp_bt=behaviour_logp_bt,
-                               version_bt=version_bt, prompt_len_b=prompt_len_b, multiple=per_group_devices)
-  # [G * C, N / C]: each of a group's C devices is sent a distinct C-th of its stream, gathered on the device.
-  data = stream.bytes_gn.reshape(groups * per_group_devices, -1)
-  data, most = global_batch_once_per_group(batch_sharding(mesh, 2), data.shape, data.dtype,
-                                           lambda a, b: data[a:b])
+                               version_bt=version_bt, prompt_len_b=prompt_len_b, multiple=per_group_devices,
+                               page=pages.page_bytes if pages is not None else 0)
+  if pages is not None:
+    data, most = pages.put(stream.bytes_gn)
+  else:
+    # [G * C, N / C]: each of a group's C devices is sent a distinct C-th of its stream, gathered on the device.
+    data = stream.bytes_gn.reshape(groups * per_group_devices, -1)
+    data, most = global_batch_once_per_group(batch_sharding(mesh, 2), data.shape, data.dtype,
+                                             lambda a, b: data[a:b])
   # Per sample: row + 1 (0: empty), start, length, prompt length, segment id, stream offset, in 16 bits
   # where every value fits (int32 otherwise).
   table = np.stack([layout.row_b + 1, layout.start_b, layout.length_b, np.asarray(prompt_len_b, np.int64),
                     layout.segment_b(), stream.offset_b])
   table = table.astype(np.uint16 if table.max(initial=0) < 2 ** 16 else np.int32)
   table_dev, base = jax.device_put((table, np.int32(stream.version_base)), replicated(mesh))
-  rows = _rows_from_stream_fn(mesh, layout.num_rows, layout.width, stream.fmt)(data, table_dev, base)
+  rows = _rows_from_stream_fn(mesh, layout.num_rows, layout.width, stream.fmt, pages is not None)(data, table_dev, base)
   sample_bytes = table.nbytes + 4
   width = padded_width or step_lib.train_width(int(layout.length_b.max(initial=0)), layout.width)
   return rows, {"stream_bytes": float(stream.bytes_gn.shape[1]), "stream_used_bytes": float(stream.used_bytes),
@@ -273,12 +324,17 @@ def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_
 
 def rows_from_stream(data_xl, table_6b, version_base, *, num_rows: int, width: int, groups: int,
                      fmt: packing.StreamFormat) -> PackedRows:
-  """Groups' ``packing.Stream`` bytes ([G * C, N / C], group-major) and the per-sample table (row + 1,
+  """Groups' ``packing.Stream`` bytes ([G * C, N / C], group-major, or ``StreamPages``' buffer
+  [pages, G * C, P]: page j holds bytes [j * C * P, (j + 1) * C * P) of each group's stream) and the
+  per-sample table (row + 1,
   start, length, prompt length, segment id, stream offset; [6, B]) -> ``PackedRows``: the token fields
   [num_rows, width] as ``packing.Layout`` lays them out, ``packing.PAD`` outside the samples and 0.0 / -1
   on prompt tokens (as in ``Rollout``). Row r reads its group's stream (group r // (num_rows / groups))."""
   row_b, start_b, length_b, prompt_len_b, segment_b, offset_b = table_6b.astype(jnp.int32)
   row_b = row_b - 1
+  if data_xl.ndim == 3:
+    pages, _, per_device = data_xl.shape
+    data_xl = data_xl.reshape(pages, groups, -1, per_device).transpose(1, 0, 2, 3)
   data_gn = data_xl.reshape(groups, -1).astype(jnp.uint32)
   n = data_gn.shape[1]
   k_rw, pos_rw, inside = covering(num_rows, width, row_b, start_b, length_b)
@@ -305,8 +361,13 @@ def rows_from_stream(data_xl, table_6b, version_base, *, num_rows: int, width: i
 
 
 @functools.lru_cache(maxsize=32)
-def _rows_from_stream_fn(mesh: Mesh, num_rows: int, width: int, fmt: packing.StreamFormat):
+def _rows_from_stream_fn(mesh: Mesh, num_rows: int, width: int, fmt: packing.StreamFormat, paged: bool = False):
   b2, rep = batch_sharding(mesh, 2), replicated(mesh)
+  if paged:
+    b2_in = NamedSharding(mesh, P(None, BATCH_AXES, None))
+    fn = functools.partial(rows_from_stream, num_rows=num_rows, width=width, groups=batch_shards(mesh), fmt=fmt)
+    return jax.jit(fn, in_shardings=(b2_in, rep, rep),
+                   out_shardings=PackedRows(b2, b2, b2, rep, rep, rep, rep, rep))
   fn = functools.partial(rows_from_stream, num_rows=num_rows, width=width, groups=batch_shards(mesh), fmt=fmt)
   return jax.jit(fn, in_shardings=(b2, rep, rep),
                  out_shardings=PackedRows(b2, b2, b2, rep, rep, rep, rep, rep))
@@ -341,13 +402,31 @@ def make_row_layout(mesh: Mesh):
   return jax.jit(row_layout, out_shardings=(b2, b2, b2, b2))
 
 
-def make_packed_logprob_fn(model_cfg, temperature: float, mesh: Mesh, param_shardings, rules=None):
+def make_packed_logprob_fn(model_cfg, temperature: float, mesh: Mesh, param_shardings, rules=None,
+                           skip_micro: int = 1):
   """``fn(params, tokens_rw, positions_rw, segment_ids_rw) -> logp_rw`` (e.g. reference log-probs on
   packed rows, equal to ``step.make_logprob_fn``'s on each sample's own padded row), one compile per row
-  bucket."""
+  bucket. ``skip_micro`` > 1: the rows run in that many micro-batches (rows m, m + M, ...,
+  ``step.split_micro_batches``, as the update splits them) and a micro-batch of padding rows only
+  (segment ids all 0) is skipped at run time (log-probs 0)."""
   b2 = batch_sharding(mesh, 2)
-  fn = lambda params, tokens_rw, positions_rw, segment_ids_rw: packed_token_logprobs(
+  forward = lambda params, tokens_rw, positions_rw, segment_ids_rw: packed_token_logprobs(
       model_cfg, params, tokens_rw, positions_rw, segment_ids_rw, temperature)[0]
+
+  def fn(params, tokens_rw, positions_rw, segment_ids_rw):
+    if skip_micro == 1:
+      return forward(params, tokens_rw, positions_rw, segment_ids_rw)
+    micro = step_lib.split_micro_batches((tokens_rw, positions_rw, segment_ids_rw), skip_micro, mesh)
+    empty = jax.eval_shape(forward, params, *jax.tree.map(lambda x: x[0], micro))
+
+    def body(_, mb):
+      out = jax.lax.cond(jnp.any(mb[2] != 0), lambda m: forward(params, *m),
+                         lambda m: jnp.zeros(empty.shape, empty.dtype), mb)
+      return None, out
+
+    _, out_mrw = jax.lax.scan(body, None, micro)
+    return jax.lax.with_sharding_constraint(out_mrw.swapaxes(0, 1).reshape(tokens_rw.shape), b2)
+
   fn = with_expert_parallel(fn, model_cfg, mesh, TRAIN_RULES if rules is None else rules)
   return jax.jit(fn, in_shardings=(param_shardings, b2, b2, b2), out_shardings=b2)
 

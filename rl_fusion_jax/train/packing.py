@@ -179,18 +179,23 @@ def source_map(full: Layout, sub: Layout, indices_k) -> Int[np.ndarray, "R W"]:
   return out_rw
 
 
-def plan(length_b: Int[np.ndarray, "B"], width: int, buckets, groups: int = 1) -> Layout:
+def plan(length_b: Int[np.ndarray, "B"], width: int, buckets, groups: int = 1, micro: int = 1) -> Layout:
   """Places every sample (first-fit decreasing) and pads the row count up to the smallest fitting bucket.
 
   With ``groups`` > 1 (data-parallel groups, each taking an equal block of rows) the filled rows are dealt
-  round robin over the groups (first-fit row i to row ``(i % groups) * R/groups + i // groups``), so every
-  group holds about as many tokens, and the padding rows of the bucket are shared alike."""
+  round robin over the groups (first-fit row i to the group's row k = i // groups, row
+  ``(i % groups) * R/groups + k``), so every group holds about as many tokens, and the padding rows of the
+  bucket are shared alike. With ``micro`` > 1 (the update's micro-batch count: micro-batch m takes rows m,
+  m + micro, ..., ``step.split_micro_batches``) a group's k-th filled row goes to its row
+  ``(k % (R/groups/micro)) * micro + k // (R/groups/micro)`` instead: filled rows fill micro-batch 0 first,
+  then 1, ..., so the padding rows make up whole micro-batches (which the update can skip)."""
   row_b, start_b, used = first_fit_decreasing(length_b, width)
   num_rows = choose_rows(used, buckets)
-  if groups > 1:
-    if num_rows % groups:
-      raise ValueError(f"{num_rows} rows do not split over {groups} groups")
-    row_b = np.where(row_b >= 0, (row_b % groups) * (num_rows // groups) + row_b // groups, -1)
+  if num_rows % (groups * micro):
+    raise ValueError(f"{num_rows} rows do not split over {groups} groups x {micro} micro-batches")
+  per_group, k = num_rows // groups, row_b // groups
+  local = k if micro == 1 else (k % (per_group // micro)) * micro + k // (per_group // micro)
+  row_b = np.where(row_b >= 0, (row_b % groups) * per_group + local, -1)
   return Layout(row_b, start_b, np.asarray(length_b, np.int64), num_rows, width, used)
 
 
@@ -316,9 +321,10 @@ def _put(out, g, at, values, width: int, what: str):
 
 
 def pack_stream(layout: Layout, groups: int, fmt: StreamFormat, *, tokens_bt, behaviour_logp_bt, version_bt,
-                prompt_len_b, multiple: int = 1) -> Stream:
+                prompt_len_b, multiple: int = 1, page: int = 0) -> Stream:
   """Samples (right-padded rows) -> their ``Stream``: each group's bytes, the stream length bucketed
-  (``stream_length``, a multiple of ``multiple``)."""
+  (``stream_length``, a multiple of ``multiple``), or with ``page`` > 0 a whole number of pages of
+  ``page`` bytes (at least one)."""
   length_b, prompt_b = layout.length_b, np.asarray(prompt_len_b, np.int64)
   bad = (prompt_b > length_b) & (length_b > 0)
   if bad.any():
@@ -334,7 +340,9 @@ def pack_stream(layout: Layout, groups: int, fmt: StreamFormat, *, tokens_bt, be
   bytes_b = fmt.sample_bytes(length_b, prompt_b)
   group_b, offset_b = group_offsets(layout, groups, bytes_b)
   per_group = np.bincount(group_b[group_b >= 0], bytes_b[group_b >= 0], minlength=groups).astype(np.int64)
-  out = np.zeros((groups, stream_length(int(per_group.max(initial=0)), multiple)), STREAM_DTYPE)
+  most = int(per_group.max(initial=0))
+  length = max(1, math.ceil(most / page)) * page if page else stream_length(most, multiple)
+  out = np.zeros((groups, length), STREAM_DTYPE)
   tb, vb = fmt.token_bytes, fmt.version_bytes
   _put(out, group_b[sample], offset_b[sample] + tb * offset, np.asarray(tokens_bt)[sample, offset], tb, "token ids")
   g, base, r = group_b[s], offset_b[s] + tb * length_b[s], length_b[s] - prompt_b[s]

@@ -124,25 +124,34 @@ def _accumulator_dtype(dtype):
 MAX_PREFIX = "max/"
 
 
-def _accumulate(loss_fn: LossFn, params, batch, weights_bt, num_micro: int, mesh: Mesh):
+def _accumulate(loss_fn: LossFn, params, batch, weights_bt, num_micro: int, mesh: Mesh, skip_empty: bool = False):
   """Sum of gradients and metric sums over micro-batches (weights are global, so sums are exact); metrics
   named ``MAX_PREFIX...`` are maxima instead.
 
   With several micro-batches the sums accumulate in float32 (also for bfloat16 parameters); the summed
   gradients are then cast to the parameters' dtype, so optimizer state keeps its dtype step after step.
+  ``skip_empty``: a micro-batch whose weights are all 0 (rows of padding only) is skipped at run time
+  (``lax.cond``): no forward or backward, nothing added (it would add exact zeros, as every loss term and
+  metric sum is weighted).
   """
   grad_fn = jax.grad(loss_fn, has_aux=True)
   if num_micro == 1:
     return grad_fn(params, batch, weights_bt)
   micro = split_micro_batches((batch, weights_bt), num_micro, mesh)
 
-  def body(carry, mb):
+  def add(carry, mb):
     grads, sums = grad_fn(params, *mb)
     acc_grads, acc_sums = carry
     acc_grads = jax.tree.map(lambda acc, x: acc + x.astype(acc.dtype), acc_grads, grads)
     acc_sums = {k: jnp.maximum(acc_sums[k], v) if k.startswith(MAX_PREFIX) else acc_sums[k] + v.astype(acc_sums[k].dtype)
                 for k, v in sums.items()}
-    return (acc_grads, acc_sums), None
+    return acc_grads, acc_sums
+
+  def body(carry, mb):
+    if not skip_empty:
+      return add(carry, mb), None
+    used = functools.reduce(jnp.logical_or, [jnp.any(w != 0) for w in jax.tree.leaves(mb[1])])
+    return jax.lax.cond(used, add, lambda c, _: c, carry, mb), None
 
   zero = jax.eval_shape(grad_fn, params, *jax.tree.map(lambda x: x[0], micro))
   zero = jax.tree.map(lambda s: jnp.zeros(s.shape, _accumulator_dtype(s.dtype)), zero)
@@ -170,14 +179,15 @@ def _first_nonfinite(*trees) -> jax.Array:
 
 
 def update(loss_fn: LossFn, tx: optax.GradientTransformation, num_micro: int, mesh: Mesh,
-           state: TrainState, batch, weights_bt, bump_version: bool):
+           state: TrainState, batch, weights_bt, bump_version: bool, skip_empty: bool = False):
   """One guarded optimizer update: applied only when loss, gradients and the new state are all finite.
 
   A non-finite update leaves params and optimizer state as they were (a select on device, no host round
   trip); ``metrics["nonfinite"]`` says which quantity failed, and the host decides (stop or skip).
-  Step and policy version advance either way, so versions stay a function of the step.
+  Step and policy version advance either way, so versions stay a function of the step. ``skip_empty``:
+  see ``_accumulate``.
   """
-  grads, sums = _accumulate(loss_fn, state.params, batch, weights_bt, num_micro, mesh)
+  grads, sums = _accumulate(loss_fn, state.params, batch, weights_bt, num_micro, mesh, skip_empty)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   sums["grad_norm"] = optax.global_norm(grads)
