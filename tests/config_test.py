@@ -168,6 +168,16 @@ def test_dynamic_sampling_combinations_are_refused():
     config_lib.experiment_from_dict(c)
 
 
+def test_fixed_row_count_needs_packed_rows_without_pipeline_stages():
+  c = base()
+  c.optim.fixed_row_count = True
+  with pytest.raises(ValueError, match="^config.optim.fixed_row_count: .* set optim.pack_rows=True$"):
+    config_lib.experiment_from_dict(c)
+  c.optim.pack_rows, c.mesh.stage = True, 2
+  with pytest.raises(ValueError, match="^config.optim.fixed_row_count: .*without pipeline stages; mesh.stage=2$"):
+    config_lib.experiment_from_dict(c)
+
+
 def test_gae_allows_groups_of_one():
   c = base()
   c.algo.advantage, c.rollout.group_size = "gae", 1

@@ -187,6 +187,9 @@ COMPANIONS = {
     "algo.loss_kwargs": {"algo.policy_loss": "ppo_clip"},
     "algo.advantage_kwargs": {"algo.advantage": "gae"},
     "model.num_experts": {"model.num_experts_per_tok": 2, "model.moe_intermediate_size": 32},
+    "optim.fixed_row_count": {"optim.pack_rows": True},
+    "mesh.stage": {"optim.fixed_row_count": False},
+    "optim.pack_rows": {"optim.fixed_row_count": False},
 }
 # gsm8k_chat.py takes its architecture from model.hf_path: given here instead (random init), so that
 # every model field can be overridden without a checkpoint.
