@@ -236,9 +236,10 @@ class StreamPages:
   shape, so the program that rebuilds the rows (``rows_from_stream``) sees one shape whatever the
   stream's length: nothing compiles when a batch's stream is longer or shorter than before. The buffer
   holds the most a group's rows can carry: ``rows / G * width`` tokens of ``token_bytes + 8`` bytes (a
-  token id, its log-prob bits, a version of up to 4 bytes), in at most ``max_pages`` pages."""
+  token id, its log-prob bits, a version of up to 4 bytes), in at most ``max_pages`` pages (a stream
+  rounds up to a whole page: 1/64 of that at most)."""
 
-  def __init__(self, mesh: Mesh, num_rows: int, width: int, token_bytes: int, max_pages: int = 16):
+  def __init__(self, mesh: Mesh, num_rows: int, width: int, token_bytes: int, max_pages: int = 64):
     self.mesh, self.groups = mesh, batch_shards(mesh)
     self.devices = mesh.size // self.groups
     capacity = num_rows // self.groups * width * (token_bytes + 8)
