@@ -4,7 +4,10 @@ r"""Step-time benchmark of the GRPO loop: warm-up steps, then N measured steps, 
 
 Prints median step time and per-phase seconds and tokens/s (generate, train, overhead = everything else:
 host scoring, reference log-probs, batch assembly), plus the first step's time (compile included; the
-persistent compilation cache makes later runs' first step fast).
+persistent compilation cache makes later runs' first step fast), the wall time of every step, the first
+included (`run_steps_s`), and the programs compiled after the first step and their seconds
+(`compiles_after_first_step`, `compile_s_after_first_step`: a step that meets a new shape); with
+--turn_steps, `run_steps_s` includes the other side's turns.
 
 With --turn_steps=N the binary takes turns with another process (experiments/turns.py, driven by
 experiments/benchmark_vs_trl.py): it ends a turn after the warm-up and after every N measured steps,
@@ -89,9 +92,15 @@ def main(argv):
   timeline = Timeline()
   for name, ids in programs.deployment.groups.items():
     timeline.add_group(name, ids)
+  compiles = []    # (seconds) of every backend compile after the first step
+  after_first = [False]
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, duration, **kw: compiles.append(duration)
+      if after_first[0] and event == "/jax/core/compile/backend_compile_duration" else None)
   t0 = time.perf_counter()
   state, first = phases.rl_step(setup, programs, state, ref, 0, timeline)
   first_s = time.perf_counter() - t0
+  after_first[0] = True
   rows = []
   maybe_end_turn(0, rows)
   for step in range(1, 1 + _WARMUP.value + _STEPS.value):
@@ -102,6 +111,7 @@ def main(argv):
     if step > _WARMUP.value:
       rows.append(m)
     maybe_end_turn(step, rows)
+  run_s = time.perf_counter() - t0
   if _PROFILE_DIR.value:
     jax.profiler.stop_trace()
   for r in rows:
@@ -112,7 +122,8 @@ def main(argv):
   out = {
       "config": cfg.model.config.model_type, "devices": jax.device_count(), "processes": jax.process_count(),
       "platform": jax.devices()[0].platform, "mesh": dict(mesh.shape), "steps": len(rows),
-      "median_step_s": round(step_s, 4), "first_step_s": round(first_s, 3),
+      "median_step_s": round(step_s, 4), "first_step_s": round(first_s, 3), "run_steps_s": round(run_s, 3),
+      "compiles_after_first_step": len(compiles), "compile_s_after_first_step": round(sum(compiles), 3),
       "startup_s": round(t0 - t_start, 3),
       "generate_s": round(gen_s, 4), "train_s": round(train_s, 4),
       "overhead_s": round(med("overhead_s"), 4),

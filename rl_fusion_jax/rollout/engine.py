@@ -171,6 +171,7 @@ class Engine:
     self._state = self.programs.empty()
     self._shards = shards
     self._widths_ready = False                   # every re-prefill width compiled (``_compile_widths``)
+    self._blocks_ready = False                   # every block size of the finished buffer compiled
     # Host view of the slot state as of the last fetch: response lengths and the oldest
     # version among each occupant's generated tokens (None: none yet).
     self._response_len_s = np.zeros((cfg.num_slots,), np.int32)
@@ -561,6 +562,12 @@ class Engine:
     ``stats``: ``link_bytes/engine_to_host`` (bytes fetched) and ``..._padded`` (the same rows at
     ``seq_len``: 3 per-token fields and 4 scalars, as a padded row would be)."""
     seq_len = self.cfg.spec.seq_len
+    if self._unread and not self._blocks_ready:
+      # Every block size once, on the first buffer read (each at least as wide as the largest block): a
+      # chunk that later finishes more columns compiles nothing.
+      for size in slots.PACK_BLOCKS:
+        self.programs.take_block[size](self._unread[0][2], 0)
+      self._blocks_ready = True
     for entries, requests, flat, columns, version in self._unread:
       blocks = fetch([self.programs.take_block[size](flat, start) for start, size in slots.block_starts(columns)])
       stats["link_bytes/engine_to_host"] += sum(b.nbytes for b in blocks)
