@@ -22,14 +22,14 @@ TRACE = "/jax/core/compile/jaxpr_trace_duration"
 
 
 def main_job(**overrides) -> config_lib.ExperimentConfig:
-  """experiments/configs/arithmetic.py (the main job) with a short warm-up and run, and a small held-out
-  set: its model, rollout shapes and update as shipped."""
+  """experiments/configs/arithmetic.py (the main job) with a short warm-up and run (a checkpoint and an
+  evaluation every 4 steps), and a small held-out set: its model, rollout shapes and update as shipped."""
   spec = importlib.util.spec_from_file_location("arithmetic_config", ROOT / "experiments/configs/arithmetic.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   c = module.get_config("")
   c.warmup.update(steps=24, checkpoint_every=0)
-  c.run.update(steps=8, checkpoint_every=0, eval_every=0, progress_every_s=0.0)
+  c.run.update(steps=8, checkpoint_every=4, eval_every=4, progress_every_s=0.0)
   c.task.update(eval_problems=16, eval_samples=0, pass_k=1)
   for path, value in overrides.items():
     section, name = path.split(".")
@@ -64,7 +64,8 @@ def traces_per_step(cfg, workdir: str) -> tuple[list[list[str]], list[dict]]:
 def test_main_job_compiles_nothing_after_its_first_step(tmp_path):
   traces, rows = traces_per_step(main_job(), str(tmp_path))
   assert len(traces) == 8 and "rl_step" in traces[0]
-  assert traces[1:] == [[]] * 7, traces          # steps 2.. and the final evaluation: no new program
+  # Steps 2.., a checkpoint and a held-out evaluation after step 4, the last ones: no new program.
+  assert traces[1:] == [[]] * 7, traces
   assert {r["train_width"] for r in rows} == {14.0}
   buckets = [step_lib.train_width(int(r["sample_len_max"]), 14) for r in rows]
   assert len(set(buckets)) > 1, buckets
