@@ -6,8 +6,9 @@ mesh, on the training mesh the RL update, the batch assembly and, for PPO with a
 programs (``critic_stage``), and on the aux mesh (the training mesh unless ``fusion.mode=hybrid``) the reference
 log-probs and the reward-model score. Every program has explicit shardings and a few fixed shapes, so each
 compiles once per shape: the train-side programs once per run at ``rollout.seq_len`` (once per row
-width with ``optim.width_buckets``: ``step.train_width``), the packed update once per row bucket. The host stage that verifies finished samples during generation (``verify``)
-is attached to the sampling engine here.
+width with ``optim.width_buckets``: ``step.train_width``), the packed update once per row bucket (once
+per run with ``optim.fixed_row_count``). The host stage that verifies finished samples during
+generation (``verify``) is attached to the sampling engine here.
 """
 from __future__ import annotations
 
