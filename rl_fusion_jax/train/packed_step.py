@@ -248,7 +248,10 @@ class StreamPages:
     self.pages = math.ceil(capacity / self.page_bytes)
     shape = (self.pages, self.groups * self.devices, self.device_bytes)
     self.sharding = NamedSharding(mesh, P(None, BATCH_AXES, None))
-    self.buffer = jax.jit(lambda: jnp.zeros(shape, packing.STREAM_DTYPE), out_shardings=self.sharding)()
+    # Made on the first put: only a process that places rows runs a program on this mesh (in the separated
+    # deployment the rollout process builds these programs too, and must not).
+    self._zeros = jax.jit(lambda: jnp.zeros(shape, packing.STREAM_DTYPE), out_shardings=self.sharding)
+    self.buffer = None
     self._write = jax.jit(lambda buf, page, j: jax.lax.dynamic_update_index_in_dim(buf, page, j, 0),
                           donate_argnums=(0,), out_shardings=self.sharding)
 
@@ -260,6 +263,8 @@ class StreamPages:
       raise ValueError(f"a stream of {bytes_gn.shape[1]} bytes per group is not a whole number of pages of "
                        f"{self.page_bytes} bytes within the buffer's {self.pages}")
     most = 0
+    if self.buffer is None:
+      self.buffer = self._zeros()
     for j in range(pages):
       part = bytes_gn[:, j * self.page_bytes:(j + 1) * self.page_bytes].reshape(-1, self.device_bytes)
       page, sent = global_batch_once_per_group(batch_sharding(self.mesh, 2), part.shape, part.dtype,
