@@ -180,6 +180,10 @@ class TaskConfig:
   # 0 turns it off (greedy accuracy only).
   eval_samples: int = 0
   pass_k: int = 1
+  # The greedy responses to the first eval_examples held-out problems (all of them when there are fewer),
+  # written at every evaluation to WORKDIR/eval_examples.jsonl (step, prompt, response, answer, correct,
+  # reward); 0 writes none.
+  eval_examples: int = 8
   # A learned reward model (rl_fusion_jax.models.reward_model checkpoint); its score, times the weight,
   # is added to the verifier's reward. Accuracy metrics always come from the verifier.
   reward_model: str = ""
@@ -212,6 +216,9 @@ class TaskConfig:
     _require(self.eval_samples == 0 or self.pass_k <= self.eval_samples, "task.pass_k",
              f"pass@{self.pass_k} needs at least {self.pass_k} samples per problem, but task.eval_samples "
              f"= {self.eval_samples}")
+    _require(isinstance(self.eval_examples, int) and not isinstance(self.eval_examples, bool)
+             and self.eval_examples >= 0, "task.eval_examples",
+             f"must be an int >= 0 (0: none written), got {self.eval_examples!r}")
     _require(isinstance(self.verify_workers, int) and self.verify_workers >= 0, "task.verify_workers",
              f"must be an int >= 0, got {self.verify_workers!r}")
     _require(math.isfinite(self.reward_model_weight), "task.reward_model_weight",

@@ -91,13 +91,21 @@ def filter_jsonl(path: str, keep, *, sort_keys: bool = True) -> int:
   return dropped
 
 
+def eval_examples_path(workdir: str) -> str:
+  """The held-out responses each evaluation writes (``task.eval_examples``), one JSON object a line."""
+  return os.path.join(workdir, "eval_examples.jsonl")
+
+
 def truncate_metrics(workdir: str, last_step: int | None) -> int:
-  """Keeps the rows of steps <= ``last_step`` (None: none) in metrics.jsonl; returns rows dropped.
+  """Keeps the rows of steps <= ``last_step`` (None: none) in metrics.jsonl and eval_examples.jsonl;
+  returns the metric rows dropped.
 
   A resumed run calls this with its checkpoint's step, so every step appears once.
   """
-  return filter_jsonl(os.path.join(workdir, "metrics.jsonl"),
-                      lambda r: last_step is not None and r.get("step", math.inf) <= last_step)
+  keep = lambda r: last_step is not None and r.get("step", math.inf) <= last_step
+  if os.path.exists(eval_examples_path(workdir)):
+    filter_jsonl(eval_examples_path(workdir), keep)
+  return filter_jsonl(os.path.join(workdir, "metrics.jsonl"), keep)
 
 
 def read_metrics(workdir: str) -> list[dict]:

@@ -83,6 +83,7 @@ def test_unknown_fields_are_named(path, value, match):
     ("rollout.group_size", 1, "config.rollout.group_size: the group-relative advantage 'grpo'"),
     ("task.pass_k", 16, "config.task.pass_k: pass@16 needs at least 16 samples per problem"),
     ("task.eval_samples", -1, "config.task.eval_samples"),
+    ("task.eval_examples", -1, r"config.task.eval_examples: must be an int >= 0"),
     ("algo.overlong_buffer", 7, "config.algo.overlong_buffer: 7 exceeds rollout.max_new_tokens = 6"),
     ("algo.dynamic_sampling_rounds", -1, "config.algo.dynamic_sampling_rounds"),
     ("critic.learning_rate", 0.0, "config.critic.learning_rate"),

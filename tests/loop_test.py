@@ -9,6 +9,7 @@ import pytest
 from rl_fusion_jax import config as config_lib
 from rl_fusion_jax import metrics as metrics_lib
 from rl_fusion_jax.orchestration import loop
+from rl_fusion_jax.rewards import make_task
 from rl_fusion_jax.testing.experiments import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,6 +52,20 @@ def test_run_writes_outputs(tmp_path):
   assert json.load(open(os.path.join(straight, "summary.json"))) == summary
   assert json.load(open(os.path.join(straight, "config.json")))["rollout"]["num_prompts"] == 4
   assert sorted(os.listdir(os.path.join(straight, "checkpoints"))) == ["2", "3"]   # keep_checkpoints=2
+  # Each evaluation (before RL and after step 3) writes its greedy responses to the held-out problems
+  # (all 8: task.eval_examples defaults to 8); scored again here by the task, they give its accuracy.
+  with open(metrics_lib.eval_examples_path(straight), encoding="utf-8") as f:
+    examples = [json.loads(line) for line in f]
+  held_out = make_task("arithmetic", max_digits=2, seed=tiny().task.eval_seed)
+  for step, accuracy in ((0, summary["accuracy_before"]), (3, summary["accuracy_after"])):
+    mine = [e for e in examples if e["step"] == step]
+    assert [e["problem"] for e in mine] == list(range(8))
+    problems = [held_out.problem(e["problem"]) for e in mine]
+    assert [e["prompt"] for e in mine] == [p.prompt for p in problems]
+    assert [e["answer"] for e in mine] == [p.answer for p in problems]
+    assert [e["correct"] for e in mine] == [held_out.score(p, e["response"]).correct for p, e in zip(problems, mine)]
+    assert sum(e["correct"] for e in mine) / 8 == pytest.approx(accuracy)
+  assert len(examples) == 16
 
   # Resume (exact values, fallback, exactly-once outputs) is tested in resume_test.py.
 

@@ -36,6 +36,8 @@ NOT_RUN = {
     "gguf_parity_main.py": "needs transformers in its own environment; tests/gguf_io_test.py checks the import",
     "benchmark_real_generate.py": "needs the fetched SmolLM2 folder and transformers in its own environment (a "
                                   "benchmark: BENCHMARKS.md); tests/engine_test.py runs the engine it times",
+    "smollm2_word_problems.py": "needs the fetched SmolLM2 folder (an hour's RL run: BENCHMARKS.md); "
+                                "tests/real_model_test.py (-m real_model) runs one step of the config on it",
     "--num_processes=2": "two processes of one run: tests/multihost_run_test.py (-m multihost)",
     "--config=...": "any config under srun: the grpo_main.py commands run here",
     "report_main.py --workdir=/tmp/report --results": "the full report (~50 min); its --quick shape runs here",

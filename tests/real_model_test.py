@@ -21,12 +21,13 @@ import pytest
 
 from rl_fusion_jax import models, tokenizer as tokenizer_lib
 from rl_fusion_jax.models import gguf_io, pretrained
-from rl_fusion_jax.testing import real_model
+from rl_fusion_jax.testing import launch, real_model
 
 pytestmark = pytest.mark.real_model
 
 NAME = "smollm2-135m-instruct"
 TOLERANCE = 5e-4
+CONFIG = os.path.join(launch.ROOT, "experiments", "configs", "smollm2_word_problems.py")
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +91,24 @@ def test_live_parity_with_transformers(folder):
   assert max(result["max_abs_logit_diff"]) <= TOLERANCE, result
   assert result["chat_ids_equal"] == result["chat_text_equal"] == len(real_model.CHATS), result
   assert not result["texts_other"] and result["texts_equal"] + len(result["texts_digit_split"]) == len(real_model.TEXTS)
+
+
+def test_word_problems_config_runs_on_the_model(folder, tmp_path):
+  # The shipped RL config as a user runs it (grpo_main.py, its own device count: one), on the fetched
+  # folder (the config's default model.hf_path), cut to one short step: chat prompts from SmolLM2's own
+  # template, a step that trains, and the held-out responses written as text.
+  workdir = tmp_path / "run"
+  run = launch.start("grpo_main.py", [f"--config={CONFIG}", f"--workdir={workdir}", "--config.run.steps=1",
+                                      "--config.run.eval_every=0", "--config.run.checkpoint_every=0",
+                                      "--config.task.eval_problems=4", "--config.rollout.num_prompts=2",
+                                      "--config.rollout.max_new_tokens=16"],
+                     processes=1, devices=None, log_dir=str(tmp_path / "logs"), coordinator=False)
+  assert run.wait(900) == [0], run.log(0)[-3000:]
+  assert f"hf_path: {folder}" in run.log(0)
+  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  assert [r["step"] for r in rows if "loss" in r] == [1]
+  with open(workdir / "eval_examples.jsonl") as f:
+    examples = [json.loads(line) for line in f]
+  assert [e["step"] for e in examples] == [0] * 4 + [1] * 4
+  assert all("<|im_start|>assistant" in e["prompt"] for e in examples)   # the model's chat template
+  assert all(isinstance(e["response"], str) for e in examples)

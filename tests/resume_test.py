@@ -307,6 +307,8 @@ def test_crash_mid_run_then_resume_records_every_step_once(tmp_path, monkeypatch
   rows = metrics_lib.read_metrics(workdir)
   assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
   assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 2, 4]   # the final evaluation: once
+  with open(metrics_lib.eval_examples_path(workdir), encoding="utf-8") as f:   # and its held-out responses
+    assert [json.loads(line)["step"] for line in f] == [0] * 8 + [2] * 8 + [4] * 8
   assert_same_values(step_rows(workdir), step_rows(ref_dir))
   trains = [i.step for i in timeline_lib.load_timeline(timeline_lib.timeline_path(workdir)).intervals
             if i.name == "train"]

@@ -42,9 +42,11 @@ VARIANTS = {
     "countdown": _FAMILY + ["moe"] + [f"moe,{v}" for v in _FAMILY if v],
     "gsm8k": _FAMILY + ["moe"] + [f"moe,{v}" for v in _FAMILY if v],
     "gsm8k_chat": ["", "cpu"],
+    "smollm2_word_problems": ["", "gpu"],
     "stalesync_longtail": [""],
     "tiny_grpo": ["", "kl"],
 }
+CHAT_CONFIGS = ("gsm8k_chat", "smollm2_word_problems")   # architecture from model.hf_path
 
 
 def parse(argv: list[str]) -> ConfigDict:
@@ -83,12 +85,12 @@ def _plain(cfg: config_lib.ExperimentConfig, ckpt: str) -> dict:
 
 def typed_configs(ckpt: str) -> dict[str, dict]:
   """'name:variant' -> the typed config (as JSON) of every shipped config and variant, read from the
-  command line as grpo_main.py reads it (gsm8k_chat.py with --config.model.hf_path=ckpt)."""
+  command line as grpo_main.py reads it (the chat configs with --config.model.hf_path=ckpt)."""
   out = {}
   for name, variants in VARIANTS.items():
     for variant in variants:
       argv = [f"--config={CONFIGS / name}.py" + (f":{variant}" if variant else "")]
-      if name == "gsm8k_chat":
+      if name in CHAT_CONFIGS:
         argv.append(f"--config.model.hf_path={ckpt}")
       out[f"{name}:{variant}"] = _plain(config_lib.experiment_from_dict(parse(argv)), ckpt)
   return out
@@ -191,10 +193,12 @@ COMPANIONS = {
     "mesh.stage": {"optim.fixed_row_count": False},
     "optim.pack_rows": {"optim.fixed_row_count": False},
 }
-# gsm8k_chat.py takes its architecture from model.hf_path: given here instead (random init), so that
-# every model field can be overridden without a checkpoint.
-BASE_ARGS = {"gsm8k_chat": {f"model.{k}": v
-                            for k, v in {**ARCHITECTURE, "max_position_embeddings": 1024}.items()}}
+# The chat configs take their architecture from model.hf_path (smollm2_word_problems.py names the fetched
+# model's folder, absent here): given here instead (random init), so that every model field can be
+# overridden without a checkpoint.
+_CHAT_ARCHITECTURE = {f"model.{k}": v for k, v in {**ARCHITECTURE, "max_position_embeddings": 1024}.items()}
+BASE_ARGS = {"gsm8k_chat": _CHAT_ARCHITECTURE,
+             "smollm2_word_problems": {"model.hf_path": "", **_CHAT_ARCHITECTURE}}
 
 
 def _by_type(kind: type, current):
@@ -256,7 +260,7 @@ def override_cases(name: str, tmp_path: pathlib.Path):
   for path, kind, value in _leaves(current):
     if path == "model.hf_path":   # a checkpoint that agrees with the config's model (or gsm8k_chat's)
       folder = tmp_path / name
-      hf_path = (chat_checkpoint(folder) if name == "gsm8k_chat" else write_checkpoint_config(
+      hf_path = (chat_checkpoint(folder) if name in CHAT_CONFIGS else write_checkpoint_config(
           folder, hf_config.to_hf_dict(config_lib.experiment_from_dict(current).model.config)))
       yield path, [config, _arg(path, hf_path)], hf_path
       continue

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -53,16 +54,22 @@ from rl_fusion_jax.train import state as state_lib
 class _Evaluator:
   """Greedy evaluation wrapped in the phase switch (each round uses fresh sample ids)."""
 
-  def __init__(self, setup: Setup, programs: Programs, timeline: Timeline, rounds: int = 0):
+  def __init__(self, setup: Setup, programs: Programs, timeline: Timeline, rounds: int = 0,
+               examples_path: str = ""):
     self.setup, self.programs, self.timeline, self.rounds = setup, programs, timeline, rounds
+    self.examples_path = examples_path   # process 0 appends task.eval_examples responses per evaluation
 
   def __call__(self, state, step: int):
     d = self.programs.deployment
+    examples = [] if self.examples_path and distributed.is_writer() else None
     with self.timeline.phase("evaluate", group=d.rollout_group, step=step):
       state, gen_params, _ = d.to_generation(state)
-      out = phases.evaluate(self.setup, self.programs, gen_params, self.rounds)
+      out = phases.evaluate(self.setup, self.programs, gen_params, self.rounds, examples)
       state, _ = d.to_training(state)
     self.rounds += 1
+    if examples:
+      with open(self.examples_path, "a", encoding="utf-8") as f:
+        f.writelines(json.dumps({"step": int(step)} | e, sort_keys=True) + "\n" for e in examples)
     return state, out
 
 
@@ -162,7 +169,8 @@ def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False,
       stack.callback(c.close)
       if c.exists() and c.prune():
         logging.info("resume: pruned %s to the newest %d checkpoints", c.directory, c.keep)
-    summary, state = _train(setup, programs, restored, timeline, rl_ckpt, warm_ckpt, writer, preemption)
+    summary, state = _train(setup, programs, restored, timeline, rl_ckpt, warm_ckpt, writer, preemption,
+                            workdir)
     if export_hf:   # every process gathers the params (a collective); process 0 writes them
       distributed.on_writer("export_hf", models.save_hf, cfg.model.config, distributed.fetch(state.params),
                             export_hf)
@@ -175,11 +183,12 @@ def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False,
 
 
 def _train(setup: Setup, programs: Programs, restored, timeline: Timeline, rl_ckpt, warm_ckpt, writer,
-           preemption: Preemption):
+           preemption: Preemption, workdir: str):
   """Sections 4-6: warm start or resumed state, the RL loop, the summary."""
   cfg, d = setup.cfg, programs.deployment
   meta = restored.meta if restored is not None and restored.kind == "rl" else {}
-  evaluate = _Evaluator(setup, programs, timeline, meta.get("eval_rounds", 0))
+  evaluate = _Evaluator(setup, programs, timeline, meta.get("eval_rounds", 0),
+                        metrics_lib.eval_examples_path(workdir))
   guard = DivergenceGuard(cfg.run, "RL", **meta.get("guard", {}))
   critic_guard = (DivergenceGuard(cfg.run, "critic", **meta.get("critic_guard", {}))
                   if programs.critic is not None else None)

@@ -136,8 +136,12 @@ def by_sample_id(rollout: Rollout) -> Rollout:
 SAMPLED_EVAL_FIRST_ID = 2**30
 
 
-def evaluate(setup: Setup, programs: Programs, gen_params, round_index: int) -> dict[str, float]:
+def evaluate(setup: Setup, programs: Programs, gen_params, round_index: int,
+             examples: list | None = None) -> dict[str, float]:
   """Held-out metrics on the problems of ``task.eval_seed`` (params in the generation layout).
+
+  ``examples``, when given, receives the greedy responses to the first ``task.eval_examples`` problems
+  that this process scored (problem index, prompt, response, answer, correct, reward).
 
   ``accuracy`` / ``format_rate`` / ``reward``: greedy decoding, one response per problem. With
   ``task.eval_samples`` = n > 0 also ``pass@1`` and ``pass@{task.pass_k}``: n responses per problem under
@@ -148,7 +152,10 @@ def evaluate(setup: Setup, programs: Programs, gen_params, round_index: int) -> 
   n = t.eval_problems
   problems = [setup.eval_task.problem(i) for i in range(n)]
   correct, fmt, rewards = _generate_and_score(setup, programs.eval_engine, gen_params, problems, 1,
-                                              round_index * n, programs.verify.share)
+                                              round_index * n, programs.verify.share,
+                                              examples if t.eval_examples else None)
+  if examples is not None:
+    del examples[t.eval_examples:]
   out = {"accuracy": float(np.mean(correct)), "format_rate": float(np.mean(fmt)),
          "reward": float(np.mean(rewards))}
   if t.eval_samples:
@@ -162,10 +169,11 @@ def evaluate(setup: Setup, programs: Programs, gen_params, round_index: int) -> 
 
 
 def _generate_and_score(setup: Setup, engine, gen_params, problems, samples: int, first_id: int,
-                        share: processes.Share):
+                        share: processes.Share, examples: list | None = None):
   """(correct, format_ok, rewards) of ``samples`` responses per problem, problem-major (each response its
   own group of one: the engines evaluating have group_size 1). Of several processes (``share``) each
-  decodes and scores the samples it owns and the results are exchanged."""
+  decodes and scores the samples it owns and the results are exchanged. ``examples`` (one sample per
+  problem only) receives this process's responses in problem order."""
   repeated = [p for p in problems for _ in range(samples)]
   engine.add(requests(setup.tokenizer, repeated, setup.cfg.rollout.max_prompt_len, 1, first_id, first_id))
   rollout = by_sample_id(engine.run(gen_params, 0).rollout)
@@ -175,6 +183,11 @@ def _generate_and_score(setup: Setup, engine, gen_params, problems, samples: int
   n = len(repeated)
   correct, fmt, rewards = np.zeros((n,), bool), np.zeros((n,), bool), np.zeros((n,), np.float32)
   rewards[mine], fmt[mine], correct[mine] = score_batch(setup.eval_task, [repeated[i] for i in mine], texts)
+  if examples is not None:
+    order = np.argsort(mine, kind="stable")
+    examples.extend({"problem": int(mine[j]), "prompt": repeated[mine[j]].prompt, "response": texts[j],
+                     "answer": repeated[mine[j]].answer, "correct": bool(correct[mine[j]]),
+                     "reward": float(rewards[mine[j]])} for j in order)
   return tuple(processes.gather_rows("evaluate", share, rollout.sample_id_b, (correct, fmt, rewards)))
 
 

@@ -40,7 +40,8 @@ RL_DIR, WARMUP_DIR = "checkpoints", "warmup_checkpoints"
 # what it logs, how often it saves, or where arrays live, never what it computes.
 HARMLESS = ("run.steps", "run.checkpoint_every", "run.keep_checkpoints", "run.progress_every_s",
             "run.eval_every", "run.on_nonfinite", "run.max_consecutive_skips", "warmup.checkpoint_every",
-            "rollout.num_slots", "rollout.chunk_steps", "task.verify_workers", "mesh.", "fusion.")
+            "rollout.num_slots", "rollout.chunk_steps", "task.verify_workers", "task.eval_examples", "mesh.",
+            "fusion.")
 
 
 def check_workdir(workdir: str) -> None:

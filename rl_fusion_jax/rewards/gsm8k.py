@@ -22,7 +22,7 @@ import numpy as np
 
 from rl_fusion_jax.rewards import base
 
-__all__ = ["ANSWER_CUE", "GSM8KTask", "parse_number"]
+__all__ = ["ANSWER_CUE", "GSM8KTask", "marked_number", "parse_number"]
 
 ANSWER_CUE = "\nEnd your answer with '#### <number>'.\n"
 _NUMBER = r"-?[0-9][0-9,]*(?:\.[0-9]+)?"
@@ -36,6 +36,12 @@ def parse_number(text: str) -> fractions.Fraction | None:
   if len(text) > _MAX_NUMBER_CHARS or _ANSWER_NUMBER.fullmatch(text) is None:
     return None
   return fractions.Fraction(text.replace(",", ""))
+
+
+def marked_number(completion: str) -> fractions.Fraction | None:
+  """The value of the first ``#### <number>`` in a completion, or None when it has none."""
+  match = _MARKED_NUMBER.search(completion)
+  return parse_number(match.group(1)) if match else None
 
 
 class GSM8KTask:
@@ -69,8 +75,7 @@ class GSM8KTask:
     )
 
   def score(self, problem: base.Problem, completion: str) -> base.Score:
-    match = _MARKED_NUMBER.search(completion)
-    value = parse_number(match.group(1)) if match else None
+    value = marked_number(completion)
     format_ok = value is not None
     correct = format_ok and value == parse_number(problem.answer)
     return base.make_score(format_ok, correct, self.format_reward, self.correct_reward)

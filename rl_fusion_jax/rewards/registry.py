@@ -14,11 +14,13 @@ from rl_fusion_jax.rewards.arithmetic_steps import ArithmeticStepsTask
 from rl_fusion_jax.rewards.base import Task
 from rl_fusion_jax.rewards.countdown import CountdownTask
 from rl_fusion_jax.rewards.gsm8k import GSM8KTask
+from rl_fusion_jax.rewards.word_problems import WordProblemsTask
 
 __all__ = ["TASKS", "make_task"]
 
 TASKS: dict[str, type] = {"arithmetic": ArithmeticTask, "arithmetic_steps": ArithmeticStepsTask,
-                          "countdown": CountdownTask, "gsm8k": GSM8KTask}
+                          "countdown": CountdownTask, "gsm8k": GSM8KTask,
+                          "word_problems": WordProblemsTask}
 
 
 def make_task(name: str, **kwargs: Any) -> Task:
