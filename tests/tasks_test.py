@@ -346,15 +346,16 @@ def test_gsm8k_missing_path_raises(tmp_path):
 
 
 def test_registry_builds_tasks():
-  assert set(TASKS) == {"arithmetic", "arithmetic_steps", "countdown", "gsm8k"}
+  assert set(TASKS) == {"arithmetic", "arithmetic_steps", "countdown", "gsm8k", "word_problems"}
   task = make_task("arithmetic", seed=3, ops="*")
   assert isinstance(task, ArithmeticTask) and task.ops == "*" and task.name == "arithmetic"
   assert isinstance(make_task("countdown", num_numbers=4), CountdownTask)
   assert len(make_task("gsm8k", path=GSM8K_SAMPLE)) == 10
+  assert make_task("word_problems", ops="-").problem(0).meta["op"] == "-"
 
 
 def test_registry_unknown_name_lists_known():
-  with pytest.raises(ValueError, match="'chess'.*arithmetic, arithmetic_steps, countdown, gsm8k"):
+  with pytest.raises(ValueError, match="'chess'.*arithmetic, arithmetic_steps, countdown, gsm8k, word_problems"):
     make_task("chess")
 
 
