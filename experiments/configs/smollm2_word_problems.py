@@ -14,9 +14,12 @@ with ``+`` and ``-`` on numbers 2-20, followed by GSM8K's cue "End your answer w
 message included). Reward 0.1 for a ``#### <number>`` answer, +1 when the number is right. Held-out
 accuracy is greedy, on problems of another seed.
 
-Settings: the ones that are fast on a CPU backend (BENCHMARKS.md, "Real-model decode on CPU and the
-stacked layer tree"): float32 compute, a rolled layer scan, no remat, one device. On a GPU, ``:gpu`` picks
-bfloat16 compute over float32 master weights with each layer rematerialized (not measured here).
+Settings: the CPU ones of ``gsm8k_chat.py:cpu`` (BENCHMARKS.md, "Real-model decode on CPU and the
+stacked layer tree"): float32 compute, a rolled layer scan, no remat, one device. On a CPU with
+AVX512-BF16, ``--config.model.dtype=bf16_matmul`` trains and generates about 1.2x faster; on one without
+native bfloat16 it decoded at float32's speed and all-bfloat16 3.2x slower (BENCHMARKS.md,
+"SmolLM2-135M-Instruct learns word problems"), so float32 is the default. On a GPU, ``:gpu`` picks bfloat16 compute
+over float32 master weights with each layer rematerialized (not measured here).
 
 The weights are the GGUF's 4-bit Q4_1 values dequantized: a trained model, not its float original.
 Measured result: BENCHMARKS.md, "SmolLM2-135M-Instruct learns word problems".
