@@ -19,6 +19,7 @@ anchor rules (``github_anchors``).
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 import runpy
@@ -26,6 +27,8 @@ import shlex
 import subprocess
 import sys
 import urllib.parse
+
+from rl_fusion_jax.models import pretrained
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -173,11 +176,18 @@ def test_readme_commands_parse(tmp_path):
   assert len(variants) >= 5 and fragments, (variants, fragments)
   config = json.loads((ROOT / "rl_fusion_jax/testing/hf_fixtures/qwen2_f32/config.json").read_text())
   (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+  # Configs whose model.hf_path defaults to a fetched model's folder (smollm2_word_problems.py) read it
+  # from a model cache holding that checkpoint config under each model's name.
+  cache = tmp_path / "models"
+  for name in pretrained.MODELS:
+    (cache / name).mkdir(parents=True)
+    (cache / name / "config.json").write_text((tmp_path / "config.json").read_text())
   argvs = [_substitute(c, str(tmp_path)) for c in commands + variants + fragments]
   for argv in argvs:
     assert (ROOT / argv[0]).is_file(), argv
   run = subprocess.run([sys.executable, "-c", _DRIVER], input=json.dumps(argvs), cwd=ROOT,
-                       capture_output=True, text=True, timeout=300, check=True)
+                       capture_output=True, text=True, timeout=300, check=True,
+                       env={**os.environ, pretrained.CACHE_ENV: str(cache)})
   results = json.loads(run.stdout.splitlines()[-1])
   failed = {" ".join(a): r for a, r in zip(argvs, results) if r != "ok"}
   assert not failed, "\n\n".join(f"{cmd}\n  {r}" for cmd, r in failed.items())

@@ -14,7 +14,7 @@ with ``+`` and ``-`` on numbers 2-20, followed by GSM8K's cue "End your answer w
 message included). Reward 0.1 for a ``#### <number>`` answer, +1 when the number is right. Held-out
 accuracy is greedy, on problems of another seed.
 
-Settings: the CPU ones of ``gsm8k_chat.py:cpu`` (BENCHMARKS.md, "Real-model decode on CPU and the
+Settings: the CPU ones of gsm8k_chat.py's cpu variant (BENCHMARKS.md, "Real-model decode on CPU and the
 stacked layer tree"): float32 compute, a rolled layer scan, no remat, one device. On a CPU with
 AVX512-BF16, ``--config.model.dtype=bf16_matmul`` trains and generates about 1.2x faster; on one without
 native bfloat16 it decoded at float32's speed and all-bfloat16 3.2x slower (BENCHMARKS.md,
