@@ -25,7 +25,7 @@ setuptools.setup(
     ],
     extras_require={
         # gguf: the default suite writes and imports a tiny GGUF (tests/gguf_io_test.py).
-        "test": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.8", "gguf>=0.19"],
+        "test": ["pytest>=8", "pytest-xdist>=3.8", "hypothesis>=6.100", "matplotlib>=3.8", "gguf>=0.19"],
         # Reading GGUF checkpoints (rl_fusion_jax/models/gguf_io.py, experiments/fetch_model_main.py); imported
         # lazily, only where a GGUF file is read.
         "gguf": ["gguf>=0.19"],

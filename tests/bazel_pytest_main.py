@@ -30,7 +30,9 @@ def _main(argv: list[str]) -> int:
     print(f"usage: {argv[0]} tests/<name>_test.py [pytest args...]; got {argv[1:]}", file=sys.stderr)
     return 2
   _drop_editable_finder()
-  args = [argv[1], "-q", *argv[2:]]
+  # One file per Bazel test, and Bazel runs the tests side by side: no pytest-xdist workers (pytest.ini's
+  # `-n auto` is for `python -m pytest`).
+  args = [argv[1], "-q", "-n", "0", *argv[2:]]
   if "XML_OUTPUT_FILE" in os.environ:  # Bazel's per-test result file (test.xml)
     args.append(f"--junitxml={os.environ['XML_OUTPUT_FILE']}")
   code = pytest.main(args)

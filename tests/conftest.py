@@ -1,4 +1,4 @@
-"""Test-wide setup: 8 virtual CPU devices and a persistent compilation cache.
+"""Test-wide setup: 8 virtual CPU devices, a persistent compilation cache, per-test timings.
 
 XLA reads its flags once, when the backend starts, so they are set here before anything imports jax.
 """
@@ -15,11 +15,16 @@ import os
 # the programs compute is the same) halves XLA:CPU's compile of the RL update (5.2 s -> 2.7 s,
 # tiny-grpo's model) and runs its steps about 1.5x slower. Binaries and workers the tests start get the
 # same flags (`rl_fusion_jax/testing/launch.child_env`). Users' runs keep XLA's default.
+# `--xla_cpu_use_fusion_emitters=false` emits XLA:CPU's fusions with its older LLVM IR emitters instead of
+# the MLIR ones: a third less compile time (a fused-mode loop test, cold cache: 34 s -> 23 s of compiling).
 _FLAGS = os.environ.get("XLA_FLAGS", "")
-os.environ["XLA_FLAGS"] = (
-    _FLAGS + " --xla_force_host_platform_device_count=8"
-    " --xla_cpu_collective_call_terminate_timeout_seconds=600"
-    + ("" if "xla_backend_optimization_level" in _FLAGS else " --xla_backend_optimization_level=0")).strip()
+_TEST_FLAGS = {"--xla_force_host_platform_device_count": "8",
+               "--xla_cpu_collective_call_terminate_timeout_seconds": "600",
+               "--xla_backend_optimization_level": "0",
+               "--xla_cpu_use_fusion_emitters": "false"}
+os.environ["XLA_FLAGS"] = " ".join(
+    [_FLAGS] + [f"{k}={v}" for k, v in _TEST_FLAGS.items()
+                if k == "--xla_force_host_platform_device_count" or k not in _FLAGS]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)
@@ -44,7 +49,6 @@ from jax import monitoring  # noqa: E402
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                    "/jax/core/compile/backend_compile_duration")
 _compile_s = [0.0]
-_timings: list[tuple[float, float, str]] = []   # (wall s, compile s, test id)
 
 
 def _on_duration(event: str, duration: float, **kwargs) -> None:
@@ -57,19 +61,72 @@ monitoring.register_event_duration_secs_listener(_on_duration)
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-  del nextitem
-  start, compile_start = time.perf_counter(), _compile_s[0]
+def pytest_runtest_makereport(item, call):
+  """Each phase's report (setup, call, teardown) carries the compile seconds this process spent in it, so
+  the figures reach the controller when pytest-xdist runs the tests in workers."""
+  del call
+  outcome = yield
+  spent = _compile_s[0] - getattr(item, "_rlfj_compile_mark", 0.0)
+  item._rlfj_compile_mark = _compile_s[0]
+  outcome.get_result().user_properties.append(("compile_s", spent))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+  item._rlfj_compile_mark = _compile_s[0]
   yield
-  _timings.append((time.perf_counter() - start, _compile_s[0] - compile_start, item.nodeid))
 
 
-def pytest_terminal_summary(terminalreporter):
-  if not _timings:
+_per_test: dict[str, list[float]] = {}   # test id -> [wall s, compile s], summed over its phases
+
+
+def pytest_runtest_logreport(report):
+  entry = _per_test.setdefault(report.nodeid.split("@")[0], [0.0, 0.0])   # without pytest-xdist's "@group"
+  entry[0] += report.duration
+  entry[1] += sum(v for k, v in report.user_properties if k == "compile_s")
+
+
+def pytest_terminal_summary(terminalreporter, config):
+  if hasattr(config, "workerinput") or not _per_test:   # a pytest-xdist worker: the controller reports
     return
-  wall, compile_s = sum(t[0] for t in _timings), sum(t[1] for t in _timings)
-  terminalreporter.section("slowest tests (wall s, of which tracing + compiling in this process)")
-  for w, c, name in sorted(_timings, reverse=True)[:15]:
+  timings = sorted(((w, c, name) for name, (w, c) in _per_test.items()), reverse=True)
+  wall, compile_s = sum(t[0] for t in timings), sum(t[1] for t in timings)
+  terminalreporter.section("slowest tests (wall s, of which tracing + compiling in the test's process)")
+  for w, c, name in timings[:15]:
     terminalreporter.write_line(f"{w:8.1f} s  {c:7.1f} s compile  {name}")
-  terminalreporter.write_line(f"{len(_timings)} tests: {wall:.0f} s, {compile_s:.0f} s of it compiling in this "
-                              "process")
+  terminalreporter.write_line(f"{len(timings)} tests: {wall:.0f} s, {compile_s:.0f} s of it compiling in the "
+                              "tests' processes (summed over workers)")
+  path = os.environ.get("RLFJ_TEST_TIMINGS")   # every test's figures, as tab-separated lines
+  if path:
+    with open(path, "w") as f:
+      f.writelines(f"{w:.2f}\t{c:.2f}\t{name}\n" for w, c, name in timings)
+
+
+# ----------------------------------------------------------------------------------------------------
+# pytest-xdist (pytest.ini: `-n auto --dist loadgroup --no-loadscope-reorder`): tests run in worker
+# processes, a file's tests in one worker so that its module fixtures and compiled programs are made once,
+# except in the files of _SPREAD, whose tests each start binaries of their own and share nothing in the
+# test process. Workers take the work in collection order, and the files that take longest come first
+# (cold-cache seconds of one run, 2 cores): a long file started last would leave one worker running it
+# alone at the end.
+# ----------------------------------------------------------------------------------------------------
+_SPREAD = ("multihost_run_test.py", "preemption_test.py", "pulse_test.py", "report_test.py")
+_LONGEST_FIRST = ("report_test.py", "ppo_test.py", "preemption_test.py", "resume_test.py", "loop_test.py",
+                  "separated_test.py", "stalesync_test.py", "moe_loop_test.py", "fusion_test.py",
+                  "pipeline_test.py", "pulse_test.py", "compile_once_test.py", "train_step_test.py",
+                  "aot_memory_test.py", "engine_test.py")
+
+
+def pytest_xdist_auto_num_workers(config):
+  del config
+  return max(1, min(os.cpu_count() or 1, 4))
+
+
+@pytest.hookimpl(tryfirst=True)   # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+  del config
+  rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(os.path.basename(str(item.path)), len(rank)))   # stable: file order kept
+  for item in items:
+    if os.path.basename(str(item.path)) not in _SPREAD:
+      item.add_marker(pytest.mark.xdist_group(os.path.basename(str(item.path))))

@@ -33,7 +33,11 @@ from safetensors.numpy import load_file
 
 from rl_fusion_jax import models
 from rl_fusion_jax.models import decoder
+from rl_fusion_jax.testing import USER_COMPILER_OPTIONS
 from rl_fusion_jax.train.logprobs import token_logprobs
+
+# Compiled as users compile them (rl_fusion_jax/testing: the suite otherwise uses other fusion emitters).
+_jit = functools.partial(jax.jit, compiler_options=USER_COMPILER_OPTIONS)
 
 FIXTURE = os.path.join(os.path.dirname(models.__file__), "..", "testing", "hf_fixtures", "qwen2_f32")
 
@@ -59,8 +63,8 @@ def scanned_outputs(**overrides) -> dict[str, np.ndarray]:
   """The code under test: `token_logprobs` (scanned layers, chunked lm head) under `overrides`."""
   cfg, params, tokens = _fixture()
   cfg = dataclasses.replace(cfg, **overrides)
-  logp, entropy = jax.jit(lambda p, t: token_logprobs(cfg, p, t, with_entropy=True))(params, tokens)
-  grads = jax.jit(jax.grad(lambda p, t: jnp.sum(token_logprobs(cfg, p, t))))(params, tokens)
+  logp, entropy = _jit(lambda p, t: token_logprobs(cfg, p, t, with_entropy=True))(params, tokens)
+  grads = _jit(jax.grad(lambda p, t: jnp.sum(token_logprobs(cfg, p, t))))(params, tokens)
   return _as_outputs(cfg, logp, entropy, grads)
 
 
@@ -93,8 +97,8 @@ def pre_scan_outputs() -> dict[str, np.ndarray]:
   rest = {k: v for k, v in params.items() if k != "layers"}
   layers = [jax.tree.map(lambda x, i=i: x[i], params["layers"]) for i in range(cfg.num_layers)]
   fn = functools.partial(_pre_scan_logprobs, cfg)
-  logp, entropy = jax.jit(fn)(rest, layers, tokens)
-  grad_rest, grad_layers = jax.jit(jax.grad(lambda r, l, t: jnp.sum(fn(r, l, t)[0]), argnums=(0, 1)))(
+  logp, entropy = _jit(fn)(rest, layers, tokens)
+  grad_rest, grad_layers = _jit(jax.grad(lambda r, l, t: jnp.sum(fn(r, l, t)[0]), argnums=(0, 1)))(
       rest, layers, tokens)
   grads = dict(grad_rest, layers=jax.tree.map(lambda *xs: jnp.stack(xs), *grad_layers))
   return _as_outputs(cfg, logp, entropy, grads)
@@ -139,7 +143,7 @@ def test_the_reference_sees_every_layer_and_the_whole_vocabulary():
   want = pre_scan_outputs()
   rest = {k: v for k, v in params.items() if k != "layers"}
   layer0 = jax.tree.map(lambda x: x[0], params["layers"])
-  same, _ = jax.jit(functools.partial(_pre_scan_logprobs, cfg))(rest, [layer0, layer0], tokens)
+  same, _ = _jit(functools.partial(_pre_scan_logprobs, cfg))(rest, [layer0, layer0], tokens)
   assert np.abs(np.asarray(same) - want["logp"]).max() > 1e-3
   assert (want["logp"][:, 1:] < 0).all() and (want["entropy"][:, 1:] > 0).all()
   assert want["entropy"][:, 1:].max() <= np.log(cfg.vocab_size) + 1e-5

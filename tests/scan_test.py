@@ -4,6 +4,7 @@ References are written here, independently of the code under test: an unrolled P
 layers (each block bound to its own slice of the stacked params) and a full-vocabulary log-softmax.
 """
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,11 @@ import pytest
 
 from rl_fusion_jax import models
 from rl_fusion_jax.models import decoder
+from rl_fusion_jax.testing import USER_COMPILER_OPTIONS
 from rl_fusion_jax.train.logprobs import token_logprobs
+
+# Compiled as users compile them (rl_fusion_jax/testing: the suite otherwise uses other fusion emitters).
+_jit = functools.partial(jax.jit, compiler_options=USER_COMPILER_OPTIONS)
 
 CFG = models.ModelConfig(vocab_size=48, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
                          intermediate_size=64, qkv_bias=True)
@@ -42,13 +47,13 @@ def _unrolled_logits(cfg, params, tokens_bt):
 
 def test_scanned_forward_equals_the_unrolled_loop(params):
   tokens = _tokens((2, 9))
-  want = np.asarray(jax.jit(_unrolled_logits, static_argnums=0)(CFG, params, tokens))
+  want = np.asarray(_jit(_unrolled_logits, static_argnums=0)(CFG, params, tokens))
   for unroll in (1, 2, CFG.num_layers):
-    got = jax.jit(models.forward, static_argnums=0)(dataclasses.replace(CFG, scan_unroll=unroll), params, tokens)
+    got = _jit(models.forward, static_argnums=0)(dataclasses.replace(CFG, scan_unroll=unroll), params, tokens)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
   # The layers are really distinct: running layer 0 three times gives other logits.
   same = jax.tree.map(lambda x: jnp.broadcast_to(x[:1], x.shape), params["layers"])
-  other = np.asarray(jax.jit(models.forward, static_argnums=0)(CFG, dict(params, layers=same), tokens))
+  other = np.asarray(_jit(models.forward, static_argnums=0)(CFG, dict(params, layers=same), tokens))
   assert np.abs(other - want).max() > 1e-2
 
 
@@ -59,7 +64,7 @@ def _loss(cfg, params, tokens):
 @pytest.mark.parametrize("remat", ["full", "matmuls"])
 def test_remat_policies_give_the_gradients_of_no_remat(params, remat):
   tokens = _tokens((2, 8), 1)
-  grad = jax.jit(jax.grad(_loss, argnums=1), static_argnums=0)
+  grad = _jit(jax.grad(_loss, argnums=1), static_argnums=0)
   want = grad(CFG, params, tokens)
   got = grad(dataclasses.replace(CFG, remat=remat), params, tokens)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6),
@@ -70,7 +75,7 @@ def test_full_remat_recomputes_the_layer(params):
   # Under remat='full' the backward pass reruns each layer's forward: more dots in the compiled grad.
   tokens = _tokens((2, 8), 1)
   def dots(cfg):
-    hlo = jax.jit(jax.grad(_loss, argnums=1), static_argnums=0).lower(cfg, params, tokens).as_text()
+    hlo = _jit(jax.grad(_loss, argnums=1), static_argnums=0).lower(cfg, params, tokens).as_text()
     return hlo.count("dot_general")
   assert dots(dataclasses.replace(CFG, remat="full")) > dots(CFG)
 
@@ -87,16 +92,16 @@ def _reference_logprobs(cfg, params, tokens_bt, temperature):
 def test_chunked_logprobs_values_and_gradients_equal_the_full_softmax(params, chunk):
   tokens = _tokens((2, 11), 2)
   cfg = dataclasses.replace(CFG, logits_chunk=chunk)
-  got = jax.jit(lambda p: token_logprobs(cfg, p, tokens, 0.7, with_entropy=True))(params)
-  want = jax.jit(lambda p: _reference_logprobs(CFG, p, tokens, 0.7))(params)
+  got = _jit(lambda p: token_logprobs(cfg, p, tokens, 0.7, with_entropy=True))(params)
+  want = _jit(lambda p: _reference_logprobs(CFG, p, tokens, 0.7))(params)
   for a, b in zip(got, want):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
   weights = jnp.asarray(np.random.default_rng(3).standard_normal((2, 11)), jnp.float32)
   def objective(fn):
     return lambda p: jnp.sum(fn(p)[0] * weights) + 0.3 * jnp.sum(fn(p)[1] * weights)
-  g_got = jax.jit(jax.grad(objective(lambda p: token_logprobs(cfg, p, tokens, 0.7, with_entropy=True))))(params)
-  g_want = jax.jit(jax.grad(objective(lambda p: _reference_logprobs(CFG, p, tokens, 0.7))))(params)
+  g_got = _jit(jax.grad(objective(lambda p: token_logprobs(cfg, p, tokens, 0.7, with_entropy=True))))(params)
+  g_want = _jit(jax.grad(objective(lambda p: _reference_logprobs(CFG, p, tokens, 0.7))))(params)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6),
                g_got, g_want)
 
@@ -109,7 +114,7 @@ def test_chunked_update_holds_no_full_logits(params):
   big = dataclasses.replace(CFG, vocab_size=4096, remat="full", scan_unroll=1)   # activations out of the way
   p = models.abstract_params(big)
   def temp_bytes(chunk):
-    fn = jax.jit(jax.grad(lambda q: jnp.sum(token_logprobs(dataclasses.replace(big, logits_chunk=chunk), q,
+    fn = _jit(jax.grad(lambda q: jnp.sum(token_logprobs(dataclasses.replace(big, logits_chunk=chunk), q,
                                                               tokens))))
     return fn.lower(p).compile().memory_analysis().temp_size_in_bytes
   full_logits = 1024 * 4096 * 4

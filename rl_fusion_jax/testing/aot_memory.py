@@ -25,6 +25,7 @@ from rl_fusion_jax.rollout import slots as slots_lib
 from rl_fusion_jax.rollout.decode import GenerateSpec
 from rl_fusion_jax.rollout.sampling import SamplingParams
 from rl_fusion_jax.sharding import rules as rules_lib
+from rl_fusion_jax.testing import USER_COMPILER_OPTIONS
 from rl_fusion_jax.train import state as state_lib
 from rl_fusion_jax.train import step as step_lib
 from rl_fusion_jax.types import TrainBatch
@@ -84,7 +85,7 @@ def update_memory(cfg: models.ModelConfig, mesh: Mesh, rows: int, width: int) ->
                      version_bt=jax.ShapeDtypeStruct((rows, width), i32))
   step = step_lib.make_rl_step(cfg, AlgoConfig(), 1.0, tx, 1, mesh, width, shardings)
   batch = _abstract(batch, step_lib.batch_shardings(mesh))
-  return _memory(step.lower(_abstract(state, shardings), batch).compile())
+  return _memory(step.lower(_abstract(state, shardings), batch).compile(compiler_options=USER_COMPILER_OPTIONS))
 
 
 def logprob_memory(cfg: models.ModelConfig, mesh: Mesh, rows: int, width: int) -> dict[str, int]:
@@ -92,7 +93,7 @@ def logprob_memory(cfg: models.ModelConfig, mesh: Mesh, rows: int, width: int) -
   shardings = _param_shardings(cfg, mesh, rules_lib.TRAIN_RULES)
   fn = step_lib.make_logprob_fn(cfg, 1.0, mesh, shardings)
   tokens = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=step_lib.batch_shardings(mesh).tokens_bt)
-  return _memory(fn.lower(_abstract(models.abstract_params(cfg), shardings), tokens).compile())
+  return _memory(fn.lower(_abstract(models.abstract_params(cfg), shardings), tokens).compile(compiler_options=USER_COMPILER_OPTIONS))
 
 
 def decode_memory(cfg: models.ModelConfig, mesh: Mesh, slots: int, prompt_len: int,
@@ -126,7 +127,7 @@ def decode_memory(cfg: models.ModelConfig, mesh: Mesh, slots: int, prompt_len: i
                                               cache),
                                  _abstract(state, programs.state_shardings), group_s, pending, target, i32(), rng,
                                  i32())
-  return _memory(lowered.compile())
+  return _memory(lowered.compile(compiler_options=USER_COMPILER_OPTIONS))
 
 
 def refill_rows(mesh: Mesh, slots: int) -> int:
@@ -201,4 +202,4 @@ def grad_logprobs_memory(cfg: models.ModelConfig, rows: int, width: int) -> dict
   from rl_fusion_jax.train.logprobs import token_logprobs  # pylint: disable=g-import-not-at-top
   tokens = jnp.zeros((rows, width), jnp.int32)
   fn = jax.jit(jax.grad(lambda p: jnp.sum(token_logprobs(cfg, p, tokens))))
-  return _memory(fn.lower(models.abstract_params(cfg)).compile())
+  return _memory(fn.lower(models.abstract_params(cfg)).compile(compiler_options=USER_COMPILER_OPTIONS))
