@@ -58,6 +58,12 @@ def _abstract(tree, shardings):
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def _compiled_memory(lowered) -> dict[str, int]:
+  """`_memory` of `lowered` compiled as users compile it (XLA's default fusion emitters, whatever the
+  process's XLA_FLAGS)."""
+  return _memory(lowered.compile(compiler_options=USER_COMPILER_OPTIONS))
+
+
 def _memory(compiled) -> dict[str, int]:
   m = compiled.memory_analysis()
   return {"temp": int(m.temp_size_in_bytes), "args": int(m.argument_size_in_bytes),
@@ -85,7 +91,7 @@ def update_memory(cfg: models.ModelConfig, mesh: Mesh, rows: int, width: int) ->
                      version_bt=jax.ShapeDtypeStruct((rows, width), i32))
   step = step_lib.make_rl_step(cfg, AlgoConfig(), 1.0, tx, 1, mesh, width, shardings)
   batch = _abstract(batch, step_lib.batch_shardings(mesh))
-  return _memory(step.lower(_abstract(state, shardings), batch).compile(compiler_options=USER_COMPILER_OPTIONS))
+  return _compiled_memory(step.lower(_abstract(state, shardings), batch))
 
 
 def logprob_memory(cfg: models.ModelConfig, mesh: Mesh, rows: int, width: int) -> dict[str, int]:
@@ -93,7 +99,7 @@ def logprob_memory(cfg: models.ModelConfig, mesh: Mesh, rows: int, width: int) -
   shardings = _param_shardings(cfg, mesh, rules_lib.TRAIN_RULES)
   fn = step_lib.make_logprob_fn(cfg, 1.0, mesh, shardings)
   tokens = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=step_lib.batch_shardings(mesh).tokens_bt)
-  return _memory(fn.lower(_abstract(models.abstract_params(cfg), shardings), tokens).compile(compiler_options=USER_COMPILER_OPTIONS))
+  return _compiled_memory(fn.lower(_abstract(models.abstract_params(cfg), shardings), tokens))
 
 
 def decode_memory(cfg: models.ModelConfig, mesh: Mesh, slots: int, prompt_len: int,
@@ -127,7 +133,7 @@ def decode_memory(cfg: models.ModelConfig, mesh: Mesh, slots: int, prompt_len: i
                                               cache),
                                  _abstract(state, programs.state_shardings), group_s, pending, target, i32(), rng,
                                  i32())
-  return _memory(lowered.compile(compiler_options=USER_COMPILER_OPTIONS))
+  return _compiled_memory(lowered)
 
 
 def refill_rows(mesh: Mesh, slots: int) -> int:
@@ -202,4 +208,4 @@ def grad_logprobs_memory(cfg: models.ModelConfig, rows: int, width: int) -> dict
   from rl_fusion_jax.train.logprobs import token_logprobs  # pylint: disable=g-import-not-at-top
   tokens = jnp.zeros((rows, width), jnp.int32)
   fn = jax.jit(jax.grad(lambda p: jnp.sum(token_logprobs(cfg, p, tokens))))
-  return _memory(fn.lower(models.abstract_params(cfg)).compile(compiler_options=USER_COMPILER_OPTIONS))
+  return _compiled_memory(fn.lower(models.abstract_params(cfg)))
