@@ -39,7 +39,7 @@ def test_group_size_must_divide_batch():
 
 def test_run_writes_outputs(tmp_path):
   straight = str(tmp_path / "straight")
-  summary = loop.run(tiny(), straight, export_hf=str(tmp_path / "final_hf"))
+  summary = loop.run(tiny(**{"run.checkpoint_every": 1}), straight, export_hf=str(tmp_path / "final_hf"))
   records = metrics_lib.read_metrics(straight)
   steps = [r for r in records if "loss" in r]
   assert [r["step"] for r in steps] == [1, 2, 3]

@@ -22,7 +22,7 @@ from rl_fusion_jax.testing import launch
 pytestmark = pytest.mark.multihost
 
 CONFIG = os.path.join(launch.ROOT, "experiments", "configs", "arithmetic.py")
-CACHE = os.environ.get("RLFJ_TEST_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rl_fusion_jax_tests"))
+CACHE = launch.TEST_CACHE
 # The main job's config, a few steps: 8 warm-up steps, 16 held-out problems, a checkpoint every 2 steps.
 QUICK = ["--config.warmup.steps=8", "--config.warmup.checkpoint_every=0", "--config.task.eval_problems=16",
          "--config.task.eval_samples=0", "--config.run.eval_every=0", "--config.run.checkpoint_every=2",
@@ -102,24 +102,45 @@ def test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics(tm
   assert "all" in groups and "all@p1" in groups, groups
 
 
-def test_stalesync_across_processes_equals_one_process_also_resumed_on_another_count(tmp_path):
+# The StaleSync tests share one 1-process reference run (a module fixture): one worker runs both.
+_STALESYNC_STEPS = 6
+stalesync_group = pytest.mark.xdist_group("multihost_run_test.py::stalesync")
+
+
+@pytest.fixture(scope="module")
+def stalesync_one(tmp_path_factory) -> str:
+  """StaleSync (s = 1, half the groups per update), 1 process x 4 devices, straight through."""
+  return _run(tmp_path_factory.mktemp("stalesync"), "one", 1, 4, variant=":stalesync", steps=_STALESYNC_STEPS)
+
+
+def _first_steps(workdir: str, steps: int) -> str:
+  """A copy of ``workdir``'s metric rows up to ``steps``, as a run of that many steps would record them
+  but for the evaluation a run makes at its last step (the comparisons leave that out)."""
+  out = workdir + f"_first{steps}"
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in _metrics(workdir) if r["step"] <= steps)
+  return out
+
+
+@stalesync_group
+def test_stalesync_across_processes_equals_one_process_also_resumed_on_another_count(tmp_path, stalesync_one):
   """StaleSync (s = 1, half the groups per update): each process feeds its devices' rows from its own
   queue replica; the run's queue counters are the processes' sums, equal to one process reading all.
   The 2-process run stops after its checkpoint at step 2 and continues as 1 process x 4 devices from it
-  (queue, in-flight samples and counters restored): still equal."""
-  one = _run(tmp_path, "one", 1, 4, variant=":stalesync", steps=4)
+  (queue, in-flight samples and counters restored) to step 4: still equal."""
   two = _run(tmp_path, "two", 2, 2, variant=":stalesync", steps=2)
   _run(tmp_path, "two", 1, 4, variant=":stalesync", steps=4)
-  _assert_same_metrics(one, two, run_ends=(2,))
+  _assert_same_metrics(_first_steps(stalesync_one, 4), two, run_ends=(2, 4))
   assert _metrics(two)[-1]["queue/bytes_read_tokens"] > 0
 
 
-def test_sigterm_to_one_process_stops_both_after_the_same_step_and_they_resume_to_the_same_metrics(tmp_path):
+@stalesync_group
+def test_sigterm_to_one_process_stops_both_after_the_same_step_and_they_resume_to_the_same_metrics(tmp_path, stalesync_one):
   """StaleSync across 2 processes; only process 1 gets SIGTERM. The processes agree on the step (each step
   they exchange whether one was signalled), both take part in that step's checkpoint and exit with 75;
   the same two commands resume, equal to one process run straight through."""
-  steps = 6
-  one = _run(tmp_path, "one", 1, 4, variant=":stalesync", steps=steps)
+  steps = _STALESYNC_STEPS
   workdir = str(tmp_path / "two")
   args = _args(workdir, variant=":stalesync", steps=steps)
   run = launch.start("grpo_main.py", args, processes=2, devices=2, log_dir=str(tmp_path / "two_logs"))
@@ -139,7 +160,7 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_they_resume_t
   assert max(json.loads(l)["step"] for l in open(metrics) if l.strip()) == step
   run = launch.start("grpo_main.py", args, processes=2, devices=2, log_dir=str(tmp_path / "resume_logs"))
   assert run.wait(RUN_TIMEOUT) == [0, 0], "\n".join(run.log(i)[-3000:] for i in range(2))
-  _assert_same_metrics(one, workdir)
+  _assert_same_metrics(stalesync_one, workdir)
 
 
 @pytest.mark.parametrize("mode", ["full", "separated", "hybrid"])

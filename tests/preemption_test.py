@@ -32,7 +32,7 @@ from rl_fusion_jax.testing import launch
 from rl_fusion_jax.testing.experiments import tiny
 
 CONFIG = os.path.join(launch.ROOT, "experiments", "configs", "arithmetic.py")
-CACHE = os.environ.get("RLFJ_TEST_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rl_fusion_jax_tests"))
+CACHE = launch.TEST_CACHE
 STEPS = 6
 TINY = ["--config.model.hidden_size=32", "--config.model.num_layers=2", "--config.model.num_heads=4",
         "--config.model.num_kv_heads=2", "--config.model.intermediate_size=64", "--config.task.eval_problems=16",

@@ -29,7 +29,8 @@ def test_grpo_main_runs_two_steps(tmp_path, variant):
   cmd = [sys.executable, os.path.join(ROOT, "experiments", "grpo_main.py"),
          "--config=" + os.path.join(ROOT, "experiments", "configs", "arithmetic.py") + variant,
          f"--workdir={workdir}", "--config.run.steps=2", "--config.warmup.steps=2",
-         "--config.task.eval_problems=16", *(LEARNS if not variant else [])]
+         "--config.task.eval_problems=16", f"--compilation_cache={launch.TEST_CACHE}",
+         *(LEARNS if not variant else [])]
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-4000:]
   assert "accuracy before RL" in proc.stdout

@@ -17,7 +17,7 @@ from rl_fusion_jax.testing import launch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENTS = os.path.join(ROOT, "experiments")
 RESULTS_MD = os.path.join(ROOT, "RESULTS.md")
-CACHE = os.environ.get("RLFJ_TEST_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rl_fusion_jax_tests"))
+CACHE = launch.TEST_CACHE
 
 
 def _binary(name: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:

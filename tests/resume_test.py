@@ -368,7 +368,7 @@ def _binary(workdir, log=None):
   env["JAX_PLATFORMS"] = "cpu"
   cmd = [sys.executable, os.path.join(ROOT, "experiments", "grpo_main.py"),
          "--config=" + os.path.join(ROOT, "experiments", "configs", "arithmetic.py"),
-         f"--workdir={workdir}", *BINARY_FLAGS]
+         f"--workdir={workdir}", f"--compilation_cache={launch.TEST_CACHE}", *BINARY_FLAGS]
   out = log or subprocess.PIPE
   return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if log else subprocess.PIPE,
                           text=True)

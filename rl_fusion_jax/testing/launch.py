@@ -18,6 +18,9 @@ import time
 from rl_fusion_jax.orchestration.processes import is_timing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The tests' persistent compilation cache (tests/conftest.py), which binaries a test starts are pointed at
+# (--compilation_cache=) so that they share it and never read the users' default cache.
+TEST_CACHE = os.environ.get("RLFJ_TEST_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rl_fusion_jax_tests"))
 
 
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
