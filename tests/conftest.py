@@ -111,10 +111,10 @@ def pytest_terminal_summary(terminalreporter, config):
 # alone at the end.
 # ----------------------------------------------------------------------------------------------------
 _SPREAD = ("multihost_run_test.py", "preemption_test.py", "pulse_test.py", "report_test.py")
-_LONGEST_FIRST = ("multihost_run_test.py", "report_test.py", "ppo_test.py", "preemption_test.py", "resume_test.py", "loop_test.py",
-                  "separated_test.py", "stalesync_test.py", "moe_loop_test.py", "fusion_test.py",
-                  "pipeline_test.py", "pulse_test.py", "compile_once_test.py", "train_step_test.py",
-                  "aot_memory_test.py", "engine_test.py")
+_LONGEST_FIRST = ("multihost_run_test.py", "report_test.py", "ppo_test.py", "preemption_test.py",
+                  "resume_test.py", "loop_test.py", "separated_test.py", "stalesync_test.py",
+                  "moe_loop_test.py", "fusion_test.py", "pipeline_test.py", "pulse_test.py",
+                  "compile_once_test.py", "train_step_test.py", "aot_memory_test.py", "engine_test.py")
 
 
 def pytest_xdist_auto_num_workers(config):

@@ -136,7 +136,8 @@ def test_stalesync_across_processes_equals_one_process_also_resumed_on_another_c
 
 
 @stalesync_group
-def test_sigterm_to_one_process_stops_both_after_the_same_step_and_they_resume_to_the_same_metrics(tmp_path, stalesync_one):
+def test_sigterm_to_one_process_stops_both_after_the_same_step_and_they_resume_to_the_same_metrics(
+    tmp_path, stalesync_one):
   """StaleSync across 2 processes; only process 1 gets SIGTERM. The processes agree on the step (each step
   they exchange whether one was signalled), both take part in that step's checkpoint and exit with 75;
   the same two commands resume, equal to one process run straight through."""
