@@ -29,6 +29,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 
+# The same folder as rl_fusion_jax.testing.launch.TEST_CACHE, which the binaries tests start are given.
 jax.config.update(
     "jax_compilation_cache_dir",
     os.environ.get("RLFJ_TEST_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rl_fusion_jax_tests")))

@@ -65,8 +65,8 @@ def write_cache_from_every_process() -> None:
 
 def main(port: int, process: str, workdir: str, opts: dict) -> None:
   import jax
-  jax.config.update("jax_compilation_cache_dir", os.environ.get(
-      "RLFJ_TEST_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rl_fusion_jax_tests")))
+  from rl_fusion_jax.testing import launch  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_compilation_cache_dir", launch.TEST_CACHE)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   if process == "sync":
