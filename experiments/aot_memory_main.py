@@ -2,6 +2,7 @@ r"""Compiled per-device memory of the real-scale programs at Qwen2.5-0.5B / 1.5B
 
   python experiments/aot_memory_main.py                       # remat full, the table in BENCHMARKS.md
   python experiments/aot_memory_main.py --remat=none --programs=grad
+  python experiments/aot_memory_main.py --param_dtype=bfloat16 --programs=grad,update --meshes=1
 
 Each program is lowered with abstract arguments and compiled ahead of time on CPU
 (`rl_fusion_jax.testing.aot_memory`); `memory_analysis()` gives per-device temporary bytes (what the
@@ -27,6 +28,9 @@ _MESHES = flags.DEFINE_list("meshes", ["1", "8", "8f"], "1, 8 (data-parallel) or
 _PROGRAMS = flags.DEFINE_list("programs", ["grad", "update", "ref", "decode"], "Programs to compile.")
 _REMAT = flags.DEFINE_enum("remat", "full", ["none", "full", "matmuls"], "model.remat.")
 _CHUNK = flags.DEFINE_integer("logits_chunk", 1024, "model.logits_chunk.")
+_PARAM_DTYPE = flags.DEFINE_enum("param_dtype", "float32", ["float32", "bfloat16"],
+                                 "model.param_dtype: float32 master weights, or a checkpoint's bfloat16 as stored.")
+_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "model.dtype (the precision policy).")
 _ROWS = flags.DEFINE_integer("rows_per_device", 4, "Training rows per device.")
 _WIDTH = flags.DEFINE_integer("width", 1024, "Tokens per training row.")
 _SLOTS = flags.DEFINE_integer("slots", 64, "Decode slots per device group (the engine's num_slots).")
@@ -42,7 +46,8 @@ def main(argv):
   gb = lambda n: round(n / 1e9, 3)
   rows_md = ["| preset | mesh | program | temp GB | bound GB | args GB | compile s |", "|---|---|---|---|---|---|---|"]
   for preset in _PRESETS.value:
-    cfg = am.preset_config(preset, remat=_REMAT.value, logits_chunk=_CHUNK.value)
+    cfg = am.preset_config(preset, remat=_REMAT.value, logits_chunk=_CHUNK.value, param_dtype=_PARAM_DTYPE.value,
+                           dtype=_DTYPE.value)
     for mesh_name in _MESHES.value:
       spec = MESHES[mesh_name]
       mesh = am.make_mesh(**spec)
@@ -65,7 +70,8 @@ def main(argv):
           memory = am.decode_memory(cfg, mesh, _SLOTS.value, _PROMPT.value, _NEW.value)
           parts = am.decode_parts(cfg, _SLOTS.value // mesh.shape["data"], _PROMPT.value + _NEW.value)
         seconds = time.perf_counter() - start
-        line = dict(preset=preset, mesh=mesh_name, program=program, remat=cfg.remat, **memory,
+        line = dict(preset=preset, mesh=mesh_name, program=program, remat=cfg.remat, param_dtype=cfg.param_dtype,
+                    dtype=cfg.dtype, **memory,
                     bound=sum(parts.values()), parts=parts, compile_s=round(seconds, 1))
         print(json.dumps(line), flush=True)
         rows_md.append(f"| {preset} | {mesh_name} | {program} | {gb(memory['temp'])} | {gb(sum(parts.values()))} "

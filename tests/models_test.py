@@ -3,6 +3,9 @@
 Numerical agreement with transformers is tested in hf_io_test.py; here `forward` (validated there) is
 the reference for the cached path.
 """
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,6 +141,37 @@ def test_param_logical_axes_match_params():
   assert axes["q_proj"]["kernel"] == ("layers", "embed", "q_heads", "head_dim")
   assert axes["k_proj"]["bias"] == ("layers", "kv_heads", "head_dim")
   assert axes["o_proj"]["kernel"] == ("layers", "q_heads", "head_dim", "embed")
+
+
+@pytest.mark.parametrize("dtype,unroll,moe", [("bfloat16", 1, False), ("bf16_matmul", 2, False),
+                                               ("bfloat16", 1, True)])
+def test_half_precision_layers_give_the_checkpointed_gradients(dtype, unroll, moe):
+  # bfloat16 layer params under remat='full' take the layer scan's own backward on the CPU (16-bit words,
+  # `decoder._scan_full_remat_words`); remat='matmuls' takes jax.checkpoint's.
+  # The values must be the same: the loss and every gradient leaf, bit for bit.
+  fields = dict(vocab_size=48, hidden_size=16, num_layers=4, num_heads=2, num_kv_heads=1, intermediate_size=24,
+                qkv_bias=True, param_dtype="bfloat16", dtype=dtype, scan_unroll=unroll)
+  if moe:   # both stacks (layers 1 and 3 sparse), so two runs of the scan and a float32 router-aux carry
+    fields.update(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                  shared_expert_intermediate_size=12, decoder_sparse_step=2)
+  cfg = models.ModelConfig(**fields, remat="full")
+  assert any(name == "dense_layers" for name, _ in cfg.layer_stacks) == moe
+  params = models.init_params(cfg, jax.random.key(0), init_std=0.3)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 48, size=(3, 10)), jnp.int32)
+
+  def loss(cfg, p, tokens):   # tokens traced: the layers' closure holds tracers of the jitted step
+    hidden, aux = decoder.hidden_with_aux(cfg, p, tokens)
+    return jnp.sum(hidden.astype(jnp.float32) * jnp.arange(16.0)) + sum(jnp.sum(v) for v in aux.values())
+
+  results = {remat: jax.jit(jax.value_and_grad(functools.partial(loss, dataclasses.replace(cfg, remat=remat))))(
+      params, tokens) for remat in ("full", "matmuls")}
+  (value, grads) = results["full"]
+  assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads))
+  assert float(jnp.max(jnp.abs(grads["layers"]["attn"]["o_proj"]["kernel"]))) > 0
+  other_value, other_grads = results["matmuls"]
+  assert float(value) == float(other_value)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(other_grads)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_init_params_shapes_dtypes_and_values():

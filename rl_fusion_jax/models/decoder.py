@@ -53,11 +53,101 @@ def _scan(graphdef, state, step, carry, first: int, count: int, remat: str, unro
     layer_state, index = xs
     return step(nnx.merge(graphdef, layer_state), carry, index), None
 
+  indices = jnp.arange(first, first + count, dtype=jnp.int32)
+  unroll = min(unroll or _default_unroll(count), count)
+  if remat == "full" and jax.default_backend() == "cpu" and any(_is_half(x.dtype) for x in jax.tree.leaves(state)):
+    return _scan_full_remat_words(body, carry, state, indices, unroll)
   if remat != "none":
     body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-  indices = jnp.arange(first, first + count, dtype=jnp.int32)
-  carry, _ = jax.lax.scan(body, carry, (state, indices), unroll=min(unroll or _default_unroll(count), count))
+  carry, _ = jax.lax.scan(body, carry, (state, indices), unroll=unroll)
   return carry
+
+
+def _is_half(dtype) -> bool:
+  return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2
+
+
+def _to_words(tree):
+  """Half-precision floats of `tree` as their raw 16-bit words (uint16); other leaves as they are."""
+  return jax.tree.map(lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16) if _is_half(x.dtype) else x, tree)
+
+
+def _from_words(words, dtypes):
+  """Inverse of `_to_words`, given the original leaves' dtypes."""
+  return jax.tree.map(lambda w, d: jax.lax.bitcast_convert_type(w, d) if _is_half(d) else w, words, dtypes)
+
+
+def _read_layer(stack, position):
+  """Layer `position` of `stack`; a half-precision stack is sliced as 16-bit words."""
+  if not _is_half(stack.dtype):
+    return jax.lax.dynamic_index_in_dim(stack, position, keepdims=False)
+  words = jax.lax.dynamic_index_in_dim(jax.lax.bitcast_convert_type(stack, jnp.uint16), position, keepdims=False)
+  return jax.lax.bitcast_convert_type(words, stack.dtype)
+
+
+def _write_layer(stack, layer, position):
+  """`stack` with `layer` written at `position`; a half-precision stack is updated as 16-bit words."""
+  if not _is_half(stack.dtype):
+    return jax.lax.dynamic_update_index_in_dim(stack, layer.astype(stack.dtype), position, 0)
+  words = jax.lax.dynamic_update_index_in_dim(jax.lax.bitcast_convert_type(stack, jnp.uint16),
+                                              jax.lax.bitcast_convert_type(layer, jnp.uint16), position, 0)
+  return jax.lax.bitcast_convert_type(words, stack.dtype)
+
+
+def _scan_full_remat_words(body, carry, state, indices, unroll: int):
+  """`_scan` under remat='full' for half-precision layer params on XLA:CPU, with a hand-written backward.
+
+  XLA:CPU has no bfloat16 / float16 dynamic-slice or dynamic-update-slice: it runs them on a float32
+  convert of the operand, and for a loop's stacked operand it converts the whole stack ahead of the
+  loop (at Qwen2.5-1.5B shapes, 5.2 GB of float32 layer weights) and rewrites a stacked output through
+  float32. Here the loops slice and update their stacks as raw 16-bit words (`bitcast_convert_type`
+  to uint16, a reinterpretation that XLA fuses into the slice): the layer params (read behind an
+  `optimization_barrier`, so that XLA does not hoist a converted copy of the whole stack out of the
+  loop), the carry saved at each layer's input (what `jax.checkpoint` saves under remat='full') and
+  the stacked parameter gradient, which the backward loop carries and updates in place. The backward
+  scans the layers in reverse and recomputes each layer's forward inside its `jax.vjp`, as
+  `jax.checkpoint` does; the values are those of the `jax.checkpoint` path (`models_test` compares them).
+  """
+  carry_dtypes = jax.tree.map(lambda x: x.dtype, carry)
+  positions = jnp.arange(indices.shape[0], dtype=jnp.int32)
+
+  def layer_params(params, position):
+    params, position = jax.lax.optimization_barrier((params, position))
+    return jax.tree.map(lambda stack: _read_layer(stack, position), params)
+
+  def forward(c, params, keep_inputs: bool):
+    def step(c, xs):
+      index, position = xs
+      out = body(c, (layer_params(params, position), index))[0]
+      return out, (_to_words(c) if keep_inputs else None)
+    return jax.lax.scan(step, c, (indices, positions), unroll=unroll)
+
+  @jax.custom_vjp
+  def scanned(c, params):
+    return forward(c, params, False)[0]
+
+  def scanned_fwd(c, params):
+    out, inputs = forward(c, params, True)
+    return out, (inputs, params)
+
+  def scanned_bwd(residuals, ct_out):
+    inputs, params = residuals
+
+    def step(carry, xs):
+      ct, grads = carry
+      input_words, index, position = xs
+      _, vjp = jax.vjp(lambda c, layer: body(c, (layer, index))[0], _from_words(input_words, carry_dtypes),
+                       layer_params(params, position))
+      ct_in, ct_layer = vjp(ct)
+      return (ct_in, jax.tree.map(lambda g, d: _write_layer(g, d, position), grads, ct_layer)), None
+
+    grads = jax.tree.map(jnp.zeros_like, params)
+    (ct_in, grads), _ = jax.lax.scan(step, (ct_out, grads), (inputs, indices, positions), reverse=True,
+                                     unroll=unroll)
+    return ct_in, grads
+
+  scanned.defvjp(scanned_fwd, scanned_bwd)
+  return scanned(carry, state)
 
 
 def _stacked_layers(cfg: ModelConfig, count: int, sparse: bool, init_std: float,
