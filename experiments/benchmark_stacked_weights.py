@@ -10,8 +10,12 @@ with the weights held three ways: one buffer per weight (``separate``), stacked 
 ``lax.scan`` (``stacked_scan``: a dynamic slice per layer), stacked and read by an unrolled loop
 (``stacked_unrolled``: a static slice per layer, the CPU default ``scan_unroll=0``). Prints one JSON line
 per form (median ms of ``--repeats``, GB/s of weights read) and the machine's streaming rate (a numpy
-sum over a buffer as large as the weights). With ``--hf_path``, also one decode step of that checkpoint
-(``kv_cache.forward_with_cache``, [batch, 1] tokens, float32) at ``scan_unroll`` 0 and 1.
+sum over a buffer as large as the weights). With ``--hf_path`` (or ``--decode_random``: SmolLM2-135M's
+shapes, random weights), also one decode step (``kv_cache.forward_with_cache``, [batch, 1] tokens) per
+``--decode`` setting (``model.dtype:param_dtype:scan_unroll``), with its compiled temporaries:
+
+  python experiments/benchmark_stacked_weights.py --decode_random \
+      --decode=float32:float32:1,bf16_matmul:bfloat16:1,bfloat16:bfloat16:1
 """
 import json
 import time
@@ -27,7 +31,11 @@ _MLP = flags.DEFINE_integer("mlp", 1536, "MLP hidden size.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Rows (sequences decoded at once).")
 _REPEATS = flags.DEFINE_integer("repeats", 20, "Timed calls per form.")
 _HF_PATH = flags.DEFINE_string("hf_path", "", "A Hugging Face folder: also time its decode step.")
-_CACHE_LEN = flags.DEFINE_integer("cache_len", 160, "KV cache positions of the --hf_path decode step.")
+_CACHE_LEN = flags.DEFINE_integer("cache_len", 160, "KV cache positions of the decode step.")
+_DECODE_RANDOM = flags.DEFINE_bool("decode_random", False,
+                                   "Time the decode step at SmolLM2-135M's shapes with random weights (no --hf_path).")
+_DECODE = flags.DEFINE_list("decode", ["float32:float32:0", "float32:float32:1"],
+                            "Decode-step settings, each model.dtype:param_dtype:scan_unroll.")
 
 
 def _median_ms(fn, *args) -> float:
@@ -71,19 +79,35 @@ def main(argv):
     ms = _median_ms(jax.jit(fn), arg, x)
     print(json.dumps({"form": name, "layers": n, "batch": _BATCH.value, "weights_mb": round(nbytes / 1e6, 1),
                       "ms": round(ms, 2), "gb_per_s": round(nbytes / ms / 1e6, 2)}), flush=True)
+  if _HF_PATH.value or _DECODE_RANDOM.value:
+    _decode_steps(jax, jnp)
+
+
+def _decode_steps(jax, jnp):
+  """One decode step ([batch, 1] tokens over `--cache_len` positions) per `--decode` setting."""
+  import dataclasses
+  from rl_fusion_jax import models
+  from rl_fusion_jax.models import hf_io, kv_cache
   if _HF_PATH.value:
-    import dataclasses
-    from rl_fusion_jax.models import hf_io, kv_cache
     cfg0, host = hf_io.load_hf(_HF_PATH.value)
-    params = jax.tree.map(jnp.asarray, host)
-    b = _BATCH.value
-    for unroll in (0, 1):
-      cfg = dataclasses.replace(cfg0, dtype="float32", scan_unroll=unroll)
-      cache = kv_cache.init_cache(cfg, b, _CACHE_LEN.value)
-      step = jax.jit(lambda p, c, t, q, cfg=cfg: kv_cache.forward_with_cache(cfg, p, t[:, None], q[:, None], c)[0])
-      ms = _median_ms(step, params, cache, jnp.ones((b,), jnp.int32), jnp.full((b,), 50, jnp.int32))
-      print(json.dumps({"form": "decode_step", "scan_unroll": unroll, "batch": b, "ms": round(ms, 2),
-                        "tokens_per_s": round(1000 * b / ms, 1)}), flush=True)
+    params0 = jax.tree.map(jnp.asarray, host)
+  else:   # SmolLM2-135M-Instruct's shapes, random weights: the step's cost does not depend on the values
+    cfg0 = models.ModelConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                              intermediate_size=1536, tie_word_embeddings=True, rope_theta=1e5)
+    params0 = models.init_params(cfg0, jax.random.key(0))
+  b = _BATCH.value
+  for setting in _DECODE.value:
+    dtype, param_dtype, unroll = setting.split(":")
+    cfg = dataclasses.replace(cfg0, dtype=dtype, param_dtype=param_dtype, scan_unroll=int(unroll))
+    params = jax.tree.map(lambda x: x.astype(param_dtype), params0)
+    cache = kv_cache.init_cache(cfg, b, _CACHE_LEN.value)
+    step = jax.jit(lambda p, c, t, q, cfg=cfg: kv_cache.forward_with_cache(cfg, p, t[:, None], q[:, None], c)[0])
+    args = (params, cache, jnp.ones((b,), jnp.int32), jnp.full((b,), 50, jnp.int32))
+    ms = _median_ms(step, *args)
+    temp = step.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    print(json.dumps({"form": "decode_step", "dtype": dtype, "param_dtype": param_dtype, "scan_unroll": int(unroll),
+                      "batch": b, "ms": round(ms, 2), "tokens_per_s": round(1000 * b / ms, 1),
+                      "temp_mb": round(temp / 1e6, 1)}), flush=True)
 
 
 if __name__ == "__main__":

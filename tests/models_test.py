@@ -3,9 +3,6 @@
 Numerical agreement with transformers is tested in hf_io_test.py; here `forward` (validated there) is
 the reference for the cached path.
 """
-import dataclasses
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,35 +140,75 @@ def test_param_logical_axes_match_params():
   assert axes["o_proj"]["kernel"] == ("layers", "q_heads", "head_dim", "embed")
 
 
-@pytest.mark.parametrize("dtype,unroll,moe", [("bfloat16", 1, False), ("bf16_matmul", 2, False),
-                                               ("bfloat16", 1, True)])
-def test_half_precision_layers_give_the_checkpointed_gradients(dtype, unroll, moe):
-  # bfloat16 layer params under remat='full' take the layer scan's own backward on the CPU (16-bit words,
-  # `decoder._scan_full_remat_words`); remat='matmuls' takes jax.checkpoint's.
-  # The values must be the same: the loss and every gradient leaf, bit for bit.
+def _half_config(dtype, unroll, moe, **kw):
   fields = dict(vocab_size=48, hidden_size=16, num_layers=4, num_heads=2, num_kv_heads=1, intermediate_size=24,
                 qkv_bias=True, param_dtype="bfloat16", dtype=dtype, scan_unroll=unroll)
   if moe:   # both stacks (layers 1 and 3 sparse), so two runs of the scan and a float32 router-aux carry
     fields.update(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
                   shared_expert_intermediate_size=12, decoder_sparse_step=2)
-  cfg = models.ModelConfig(**fields, remat="full")
+  cfg = models.ModelConfig(**fields, **kw)
   assert any(name == "dense_layers" for name, _ in cfg.layer_stacks) == moe
+  return cfg
+
+
+def _as_words_and_not(monkeypatch, run):
+  """run() with half-precision stacks moved as 16-bit words (the CPU default), then with XLA's own float32
+  path (`layers.HALF_AS_WORDS = False`). The flag is read while tracing: `run` must jit new functions
+  (a new lambda), or jax reuses the first trace."""
+  words = run()
+  monkeypatch.setattr(layers, "HALF_AS_WORDS", False)
+  return words, run()
+
+
+def _assert_trees_equal(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert x.dtype == y.dtype
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+@pytest.mark.parametrize("dtype,unroll,moe", [("bfloat16", 1, False), ("bf16_matmul", 2, False),
+                                               ("bfloat16", 1, True)])
+def test_half_precision_layers_give_the_checkpointed_gradients(monkeypatch, dtype, unroll, moe):
+  # bfloat16 layer params under remat='full' take the layer scan's own backward on the CPU (16-bit words,
+  # `decoder._scan_full_remat_words`); without words, jax.checkpoint's. The loss and every gradient leaf
+  # must be the same, bit for bit.
+  cfg = _half_config(dtype, unroll, moe, remat="full")
   params = models.init_params(cfg, jax.random.key(0), init_std=0.3)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 48, size=(3, 10)), jnp.int32)
 
-  def loss(cfg, p, tokens):   # tokens traced: the layers' closure holds tracers of the jitted step
+  def loss(p, tokens):   # tokens traced: the layers' closure holds tracers of the jitted step
     hidden, aux = decoder.hidden_with_aux(cfg, p, tokens)
     return jnp.sum(hidden.astype(jnp.float32) * jnp.arange(16.0)) + sum(jnp.sum(v) for v in aux.values())
 
-  results = {remat: jax.jit(jax.value_and_grad(functools.partial(loss, dataclasses.replace(cfg, remat=remat))))(
-      params, tokens) for remat in ("full", "matmuls")}
-  (value, grads) = results["full"]
-  assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads))
-  assert float(jnp.max(jnp.abs(grads["layers"]["attn"]["o_proj"]["kernel"]))) > 0
-  other_value, other_grads = results["matmuls"]
-  assert float(value) == float(other_value)
-  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(other_grads)):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  words, plain = _as_words_and_not(
+      monkeypatch, lambda: jax.jit(jax.value_and_grad(lambda *args: loss(*args)))(params, tokens))
+  assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(words[1]))
+  assert float(jnp.max(jnp.abs(words[1]["layers"]["attn"]["o_proj"]["kernel"]))) > 0
+  _assert_trees_equal(words, plain)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "bf16_matmul"])
+def test_half_precision_cached_decoding_equals_the_float32_path(monkeypatch, dtype):
+  # Prefill and decode steps with bfloat16 params (and under 'bfloat16' a bfloat16 cache): layer params and
+  # cache rows read and written as 16-bit words give XLA's own results, logits and cache bit for bit.
+  cfg = _half_config(dtype, 1, False)
+  params = models.init_params(cfg, jax.random.key(0), init_std=0.3)
+  prompts = jnp.asarray(np.random.default_rng(0).integers(0, 48, size=(2, 5)), jnp.int32)
+
+  def run():
+    step = jax.jit(lambda *args: models.forward_with_cache(*args), static_argnums=0)   # a new function: traced anew
+    cache = models.init_cache(cfg, 2, 8)
+    logits, cache = step(cfg, params, prompts, jnp.broadcast_to(jnp.arange(5), (2, 5)), cache)
+    out = [logits]
+    for t in range(5, 8):
+      logits, cache = step(cfg, params, jnp.argmax(logits[:, -1:], -1).astype(jnp.int32), jnp.full((2, 1), t), cache)
+      out.append(logits)
+    return out, cache
+
+  words, plain = _as_words_and_not(monkeypatch, run)
+  assert words[1]["k"].dtype == cfg.compute_dtype and float(jnp.max(jnp.abs(words[1]["k"][:, :, :, 7]))) > 0
+  _assert_trees_equal(words, plain)
 
 
 def test_init_params_shapes_dtypes_and_values():

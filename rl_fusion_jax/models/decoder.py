@@ -22,7 +22,7 @@ from jaxtyping import Array, Float, Int
 from rl_fusion_jax.model_config import ModelConfig
 from rl_fusion_jax.models import moe
 from rl_fusion_jax.models.block import DecoderLayer
-from rl_fusion_jax.models.layers import (F32, PROJ_NAME, RMSNorm, make_param,
+from rl_fusion_jax.models.layers import (F32, PROJ_NAME, RMSNorm, half_as_words, make_param,
                                           mixed_matmul)
 
 Params = dict[str, Any]
@@ -47,16 +47,23 @@ REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable
                   "matmuls": jax.checkpoint_policies.save_only_these_names(PROJ_NAME)}
 
 
-def _scan(graphdef, state, step, carry, first: int, count: int, remat: str, unroll: int):
-  """One `lax.scan` of `step` over `count` stacked layers (global indices first, first + 1, ...)."""
+def _scan(graphdef, state, step, carry, first: int, count: int, remat: str, unroll: int,
+          differentiable: bool = True):
+  """One `lax.scan` of `step` over `count` stacked layers (global indices first, first + 1, ...).
+
+  On the CPU backend, half-precision layer params take `_scan_words` (never differentiated) or, under
+  remat='full', `_scan_full_remat_words`."""
   def body(carry, xs):
     layer_state, index = xs
     return step(nnx.merge(graphdef, layer_state), carry, index), None
 
   indices = jnp.arange(first, first + count, dtype=jnp.int32)
   unroll = min(unroll or _default_unroll(count), count)
-  if remat == "full" and jax.default_backend() == "cpu" and any(_is_half(x.dtype) for x in jax.tree.leaves(state)):
-    return _scan_full_remat_words(body, carry, state, indices, unroll)
+  if any(half_as_words(x.dtype) for x in jax.tree.leaves(state)):
+    if not differentiable:
+      return _scan_words(body, carry, state, indices, unroll)
+    if remat == "full":
+      return _scan_full_remat_words(body, carry, state, indices, unroll)
   if remat != "none":
     body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
   carry, _ = jax.lax.scan(body, carry, (state, indices), unroll=unroll)
@@ -94,6 +101,26 @@ def _write_layer(stack, layer, position):
   return jax.lax.bitcast_convert_type(words, stack.dtype)
 
 
+def _layer_params(params, position):
+  """Layer `position` of the stacked `params`, read behind an `optimization_barrier`: otherwise XLA:CPU
+  hoists a float32 convert of every half-precision stack out of the layer loop and slices that."""
+  params, position = jax.lax.optimization_barrier((params, position))
+  return jax.tree.map(lambda stack: _read_layer(stack, position), params)
+
+
+def _scan_words(body, carry, state, indices, unroll: int):
+  """`_scan` of a pass that is never differentiated (prefill, decode), half-precision layer params on
+  XLA:CPU: each layer's params are sliced as 16-bit words (`_layer_params`), not from a float32 copy
+  of the stack (at SmolLM2-135M shapes in bfloat16, 0.5 GB converted on every call)."""
+  positions = jnp.arange(indices.shape[0], dtype=jnp.int32)
+
+  def step(c, xs):
+    index, position = xs
+    return body(c, (_layer_params(state, position), index))[0], None
+
+  return jax.lax.scan(step, carry, (indices, positions), unroll=unroll)[0]
+
+
 def _scan_full_remat_words(body, carry, state, indices, unroll: int):
   """`_scan` under remat='full' for half-precision layer params on XLA:CPU, with a hand-written backward.
 
@@ -111,14 +138,10 @@ def _scan_full_remat_words(body, carry, state, indices, unroll: int):
   carry_dtypes = jax.tree.map(lambda x: x.dtype, carry)
   positions = jnp.arange(indices.shape[0], dtype=jnp.int32)
 
-  def layer_params(params, position):
-    params, position = jax.lax.optimization_barrier((params, position))
-    return jax.tree.map(lambda stack: _read_layer(stack, position), params)
-
   def forward(c, params, keep_inputs: bool):
     def step(c, xs):
       index, position = xs
-      out = body(c, (layer_params(params, position), index))[0]
+      out = body(c, (_layer_params(params, position), index))[0]
       return out, (_to_words(c) if keep_inputs else None)
     return jax.lax.scan(step, c, (indices, positions), unroll=unroll)
 
@@ -137,7 +160,7 @@ def _scan_full_remat_words(body, carry, state, indices, unroll: int):
       ct, grads = carry
       input_words, index, position = xs
       _, vjp = jax.vjp(lambda c, layer: body(c, (layer, index))[0], _from_words(input_words, carry_dtypes),
-                       layer_params(params, position))
+                       _layer_params(params, position))
       ct_in, ct_layer = vjp(ct)
       return (ct_in, jax.tree.map(lambda g, d: _write_layer(g, d, position), grads, ct_layer)), None
 
@@ -212,7 +235,7 @@ class Decoder(nnx.Module):
       if count != total:
         state = jax.tree.map(lambda x: jax.lax.slice_in_dim(x, start, start + count), state)
       carry = _scan(graphdef, state, step, carry, first, count,
-                    self.remat if differentiable else "none", self.scan_unroll)
+                    self.remat if differentiable else "none", self.scan_unroll, differentiable)
     return carry
 
   def hidden_with_aux(self, tokens_bt, positions_bt, mask_btt, valid_bt=None) -> tuple[jax.Array, dict]:

@@ -20,6 +20,18 @@ from jax.ad_checkpoint import checkpoint_name
 from rl_fusion_jax.model_config import ModelConfig
 
 F32 = jnp.float32
+# XLA:CPU runs no bfloat16 / float16 dynamic-slice, dynamic-update-slice or scatter: it runs them on a
+# float32 convert of the whole operand (for a stacked operand in a loop, of the whole stack). The layer
+# scans and the KV cache therefore move half-precision stacks on the CPU as raw 16-bit words
+# (`decoder._scan_words`, `decoder._scan_full_remat_words`, `block.write_rows`); False gives XLA's own
+# float32 path, which the tests compare with, bit for bit.
+HALF_AS_WORDS = True
+
+
+def half_as_words(dtype) -> bool:
+  """Whether a stack of `dtype` moves as 16-bit words here (half precision, CPU backend)."""
+  return (HALF_AS_WORDS and jax.default_backend() == "cpu" and jnp.issubdtype(dtype, jnp.floating)
+          and jnp.dtype(dtype).itemsize == 2)
 # Name of every projection matmul's output (`jax.ad_checkpoint.checkpoint_name`): the remat policy
 # 'matmuls' saves exactly these.
 PROJ_NAME = "proj"

@@ -107,10 +107,11 @@ def decode_memory(cfg: models.ModelConfig, mesh: Mesh, slots: int, prompt_len: i
   """Per-device bytes of one compiled decode chunk over `slots` slots (generation layout), refills on the
   device included (`slots.run_chunk`, the engine's default refill rows: a quarter of the slots).
 
-  Lowered with float32 weights. Under model.dtype='bfloat16' the engine gets the switch's bfloat16 copy,
-  but XLA:CPU runs bfloat16 dots by converting their operands to float32 and hoists that conversion of
-  every weight out of the decode loop (+6.2 GB of temporaries at 1.5B, measured): a CPU artifact that a
-  GPU, with native bfloat16 dots, does not have.
+  Lowered with `cfg.param_dtype` weights (float32 at the presets). Under model.dtype='bfloat16' the engine
+  gets the switch's bfloat16 copy (`preset_config(..., param_dtype='bfloat16')`); the layer scans read
+  such stacks as 16-bit words on the CPU (`layers.half_as_words`), where XLA:CPU would otherwise slice a
+  float32 copy of every weight stack made ahead of the decode loop (BENCHMARKS.md, "Real-scale compiled
+  memory").
   """
   spec = GenerateSpec(cfg, SamplingParams(1.0), prompt_len, max_new_tokens, 0)
   shardings = _param_shardings(cfg, mesh, rules_lib.GENERATE_RULES)
