@@ -12,7 +12,8 @@ with the weights held three ways: one buffer per weight (``separate``), stacked 
 per form (median ms of ``--repeats``, GB/s of weights read) and the machine's streaming rate (a numpy
 sum over a buffer as large as the weights). With ``--hf_path`` (or ``--decode_random``: SmolLM2-135M's
 shapes, random weights), also one decode step (``kv_cache.forward_with_cache``, [batch, 1] tokens) per
-``--decode`` setting (``model.dtype:param_dtype:scan_unroll``), with its compiled temporaries:
+``--decode`` setting (``model.dtype:param_dtype:scan_unroll``), the settings called in turn for
+``--repeats`` rounds, with the step's compiled temporaries:
 
   python experiments/benchmark_stacked_weights.py --decode_random \
       --decode=float32:float32:1,bf16_matmul:bfloat16:1,bfloat16:bfloat16:1
@@ -84,7 +85,8 @@ def main(argv):
 
 
 def _decode_steps(jax, jnp):
-  """One decode step ([batch, 1] tokens over `--cache_len` positions) per `--decode` setting."""
+  """One decode step ([batch, 1] tokens over `--cache_len` positions) per `--decode` setting, the settings
+  called in turn (round robin, `--repeats` rounds) so that the machine's drift hits each alike."""
   import dataclasses
   from rl_fusion_jax import models
   from rl_fusion_jax.models import hf_io, kv_cache
@@ -96,18 +98,30 @@ def _decode_steps(jax, jnp):
                               intermediate_size=1536, tie_word_embeddings=True, rope_theta=1e5)
     params0 = models.init_params(cfg0, jax.random.key(0))
   b = _BATCH.value
+  steps = {}
   for setting in _DECODE.value:
     dtype, param_dtype, unroll = setting.split(":")
     cfg = dataclasses.replace(cfg0, dtype=dtype, param_dtype=param_dtype, scan_unroll=int(unroll))
-    params = jax.tree.map(lambda x: x.astype(param_dtype), params0)
+    params = jax.tree.map(lambda x, d=param_dtype: x.astype(d), params0)
     cache = kv_cache.init_cache(cfg, b, _CACHE_LEN.value)
     step = jax.jit(lambda p, c, t, q, cfg=cfg: kv_cache.forward_with_cache(cfg, p, t[:, None], q[:, None], c)[0])
     args = (params, cache, jnp.ones((b,), jnp.int32), jnp.full((b,), 50, jnp.int32))
-    ms = _median_ms(step, *args)
+    for _ in range(3):
+      jax.block_until_ready(step(*args))
     temp = step.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    steps[setting] = (step, args, temp, [])
+  for _ in range(_REPEATS.value):
+    for step, args, _, seconds in steps.values():
+      start = time.perf_counter()
+      jax.block_until_ready(step(*args))
+      seconds.append(time.perf_counter() - start)
+  for setting, (_, _, temp, seconds) in steps.items():
+    dtype, param_dtype, unroll = setting.split(":")
+    ms = 1000 * float(np.median(seconds))
     print(json.dumps({"form": "decode_step", "dtype": dtype, "param_dtype": param_dtype, "scan_unroll": int(unroll),
-                      "batch": b, "ms": round(ms, 2), "tokens_per_s": round(1000 * b / ms, 1),
-                      "temp_mb": round(temp / 1e6, 1)}), flush=True)
+                      "batch": b, "ms": round(ms, 2), "p25_ms": round(1000 * float(np.percentile(seconds, 25)), 2),
+                      "p75_ms": round(1000 * float(np.percentile(seconds, 75)), 2),
+                      "tokens_per_s": round(1000 * b / ms, 1), "temp_mb": round(temp / 1e6, 1)}), flush=True)
 
 
 if __name__ == "__main__":

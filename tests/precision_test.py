@@ -1,6 +1,7 @@
 """The precision policies of `ModelConfig.dtype`: 'float32', 'bf16_matmul' and 'bfloat16'.
 
-`mixed_matmul` (the 'bf16_matmul' contraction) is checked against float64 numpy on the bfloat16-rounded
+`mixed_matmul` (the 'bf16_matmul' contraction) and `mixed_matmul_nt` (its form for a kernel stored
+transposed: the tied lm head) are checked against float64 numpy on the bfloat16-rounded
 inputs, forward and backward; the policies against float32 at the tolerance docs/models.md states
 ("Precision policy"); generation against the training forward under the same policy.
 """
@@ -30,19 +31,24 @@ def _bf16_rounded(x) -> np.ndarray:
 
 
 @pytest.mark.parametrize("rows", [12, 13])    # 12: the weight gradient over split rows; 13 (prime): one dot
-def test_mixed_matmul_forward_and_gradients_equal_float64_on_rounded_inputs(rows):
+@pytest.mark.parametrize("transposed", [False, True])   # True: mixed_matmul_nt, the kernel stored [N, K]
+def test_mixed_matmul_forward_and_gradients_equal_float64_on_rounded_inputs(rows, transposed):
   rng = np.random.default_rng(0)
   x = rng.standard_normal((rows, 40)).astype(np.float32)
   w = rng.standard_normal((40, 24)).astype(np.float32)
   c = rng.standard_normal((rows, 24)).astype(np.float32)   # d loss / d y
-  fn = lambda x, w: jnp.sum(layers.mixed_matmul(x, w, "bfloat16") * c)
-  y = layers.mixed_matmul(jnp.asarray(x), jnp.asarray(w), "bfloat16")
-  dx, dw = jax.grad(fn, argnums=(0, 1))(jnp.asarray(x), jnp.asarray(w))
+  if transposed:
+    matmul, w_arg = (lambda x, w: layers.mixed_matmul_nt(x, w, "bfloat16")), np.ascontiguousarray(w.T)
+  else:
+    matmul, w_arg = (lambda x, w: layers.mixed_matmul(x, w, "bfloat16")), w
+  fn = lambda x, w: jnp.sum(matmul(x, w) * c)
+  y = matmul(jnp.asarray(x), jnp.asarray(w_arg))
+  dx, dw = jax.grad(fn, argnums=(0, 1))(jnp.asarray(x), jnp.asarray(w_arg))
   xr, wr, cr = _bf16_rounded(x), _bf16_rounded(w), _bf16_rounded(c)
-  assert y.dtype == dx.dtype == dw.dtype == jnp.float32
+  assert y.dtype == dx.dtype == dw.dtype == jnp.float32 and dw.shape == w_arg.shape
   np.testing.assert_allclose(np.asarray(y), xr @ wr, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(dx), cr @ wr.T, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(np.asarray(dw), xr.T @ cr, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(dw), (xr.T @ cr).T if transposed else xr.T @ cr, rtol=1e-5, atol=1e-5)
   # The rounding is real: the float32 product differs from the rounded-input one.
   assert np.abs(x.astype(np.float64) @ w - xr @ wr).max() > 1e-3
 

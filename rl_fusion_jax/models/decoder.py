@@ -23,7 +23,7 @@ from rl_fusion_jax.model_config import ModelConfig
 from rl_fusion_jax.models import moe
 from rl_fusion_jax.models.block import DecoderLayer
 from rl_fusion_jax.models.layers import (F32, PROJ_NAME, RMSNorm, half_as_words, make_param,
-                                          mixed_matmul)
+                                          mixed_matmul, mixed_matmul_nt)
 
 Params = dict[str, Any]
 # The stacked layer trees: every path under one of these has a leading layer axis.
@@ -275,9 +275,10 @@ class Decoder(nnx.Module):
     lead, d = x_nd.shape[:-1], x_nd.shape[-1]
     x_md = x_nd.reshape(-1, d)
     if self.matmul_dtype != self.dtype:   # 'bf16_matmul': low-precision inputs, float32 accumulation
-      kernel_dv = (self.lm_head.kernel[...] if hasattr(self, "lm_head")
-                   else self.embed.embedding[...].astype(self.matmul_dtype).T)
-      logits_mv = mixed_matmul(x_md, kernel_dv, self.matmul_dtype.name)
+      if hasattr(self, "lm_head"):
+        logits_mv = mixed_matmul(x_md, self.lm_head.kernel[...], self.matmul_dtype.name)
+      else:
+        logits_mv = mixed_matmul_nt(x_md, self.embed.embedding[...], self.matmul_dtype.name)
     elif hasattr(self, "lm_head"):
       logits_mv = jnp.einsum("MD,DV->MV", x_md, self.lm_head.kernel[...].astype(self.dtype),
                              preferred_element_type=F32)
