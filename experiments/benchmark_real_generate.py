@@ -28,7 +28,8 @@ _BATCH = flags.DEFINE_integer("batch", 8, "Sequences decoded at once (engine slo
 _NEW = flags.DEFINE_integer("new_tokens", 96, "New tokens per sequence.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per setting.")
 _SETTINGS = flags.DEFINE_list("settings", ["float32:1", "float32:0", "bf16_matmul:1"],
-                              "dtype:scan_unroll pairs to time.")
+                              "dtype:scan_unroll[:param_dtype] to time (param_dtype: the weights the engine "
+                              "decodes from, as a generation copy would hold them; default the folder's).")
 _REF_PYTHON = flags.DEFINE_string("ref_python", os.environ.get("RLFJ_REF_PYTHON", ""),
                                   "A Python with torch and transformers: also time transformers' generate.")
 
@@ -58,10 +59,11 @@ def main(argv):
   b, n = _BATCH.value, _NEW.value
   mesh = make_mesh(MeshConfig(data=-1), jax.devices()[:1])
   for setting in _SETTINGS.value:
-    dtype, unroll = setting.split(":")
-    cfg = dataclasses.replace(cfg0, dtype=dtype, scan_unroll=int(unroll))
+    dtype, unroll, *rest = setting.split(":")
+    param_dtype = rest[0] if rest else cfg0.param_dtype
+    cfg = dataclasses.replace(cfg0, dtype=dtype, scan_unroll=int(unroll), param_dtype=param_dtype)
     shardings = param_shardings(models.abstract_params(cfg), models.param_logical_axes(cfg), mesh, TRAIN_RULES)
-    params = jax.device_put(host, shardings)
+    params = jax.device_put(jax.tree.map(lambda x, d=param_dtype: np.asarray(x).astype(d), host), shardings)
     spec = GenerateSpec(cfg, SamplingParams(1.0), max(map(len, prompts)), n, -1)
     engine = Engine(EngineConfig(spec, num_slots=b, chunk_steps=32, group_size=b), mesh, shardings)
     times = []
@@ -71,7 +73,8 @@ def main(argv):
       engine.run(params, 0)
       times.append(time.perf_counter() - t0)
     s = statistics.median(times[1:])
-    print(json.dumps({"who": "rl_fusion_jax", "dtype": dtype, "scan_unroll": int(unroll), "batch": b,
+    print(json.dumps({"who": "rl_fusion_jax", "dtype": dtype, "scan_unroll": int(unroll),
+                      "param_dtype": param_dtype, "batch": b,
                       "new_tokens": n, "first_s": round(times[0], 1), "seconds": round(s, 3),
                       "tokens_per_s": round(b * n / s, 1), "ms_per_step": round(1000 * s / n, 1)}), flush=True)
   if _REF_PYTHON.value:
