@@ -68,7 +68,12 @@ def main(argv):
           parts = am.logprob_parts(cfg, _ROWS.value, _WIDTH.value)
         else:
           memory = am.decode_memory(cfg, mesh, _SLOTS.value, _PROMPT.value, _NEW.value)
-          parts = am.decode_parts(cfg, _SLOTS.value // mesh.shape["data"], _PROMPT.value + _NEW.value)
+          # As tests/aot_memory_test.py counts them: the on-device refill's rows split over the data axis at
+          # the prompt width, and the outbox (2 x the slots) replicated.
+          data = mesh.shape["data"]
+          parts = am.decode_parts(cfg, _SLOTS.value // data, _PROMPT.value + _NEW.value,
+                                  refill_rows=am.refill_rows(mesh, _SLOTS.value) // data,
+                                  refill_width=_PROMPT.value, outbox_rows=2 * _SLOTS.value)
         seconds = time.perf_counter() - start
         line = dict(preset=preset, mesh=mesh_name, program=program, remat=cfg.remat, param_dtype=cfg.param_dtype,
                     dtype=cfg.dtype, **memory,
