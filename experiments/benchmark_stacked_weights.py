@@ -35,6 +35,9 @@ _HF_PATH = flags.DEFINE_string("hf_path", "", "A Hugging Face folder: also time 
 _CACHE_LEN = flags.DEFINE_integer("cache_len", 160, "KV cache positions of the decode step.")
 _DECODE_RANDOM = flags.DEFINE_bool("decode_random", False,
                                    "Time the decode step at SmolLM2-135M's shapes with random weights (no --hf_path).")
+_PARTS = flags.DEFINE_bool("decode_parts", False,
+                            "With --decode_random: also time the float32 step's weight-reading parts alone "
+                            "(the 30 MLPs, the attention projections, the tied lm head), in turn with the step.")
 _DECODE = flags.DEFINE_list("decode", ["float32:float32:0", "float32:float32:1"],
                             "Decode-step settings, each model.dtype:param_dtype:scan_unroll.")
 
@@ -82,6 +85,61 @@ def main(argv):
                       "ms": round(ms, 2), "gb_per_s": round(nbytes / ms / 1e6, 2)}), flush=True)
   if _HF_PATH.value or _DECODE_RANDOM.value:
     _decode_steps(jax, jnp)
+  if _PARTS.value:
+    _decode_parts(jax, jnp)
+
+
+def _decode_parts(jax, jnp):
+  """The float32 decode step at SmolLM2-135M's shapes and the parts of it that read weights, each alone
+  (a rolled scan over the 30 layers' stacked weights, [batch, hidden] rows), called in turn."""
+  from rl_fusion_jax import models
+  from rl_fusion_jax.models import kv_cache
+  cfg = models.ModelConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                           intermediate_size=1536, tie_word_embeddings=True, rope_theta=1e5, dtype="float32",
+                           scan_unroll=1)
+  params = models.init_params(cfg, jax.random.key(0))
+  b, d = _BATCH.value, cfg.hidden_size
+  x = jnp.ones((b, d), jnp.float32)
+  layers = params["layers"]
+
+  def mlps(stack, x):
+    def body(x, w):
+      m = w["mlp"]
+      return x + (jax.nn.silu(x @ m["gate_proj"]["kernel"]) * (x @ m["up_proj"]["kernel"])) @ m["down_proj"]["kernel"], None
+    return jax.lax.scan(body, x, stack)[0]
+
+  def projections(stack, x):
+    def body(x, w):
+      a = w["attn"]
+      q, k, v = (x @ a[n]["kernel"].reshape(d, -1) for n in ("q_proj", "k_proj", "v_proj"))
+      return x + q @ a["o_proj"]["kernel"].reshape(-1, d) + jnp.sum(k) + jnp.sum(v), None
+    return jax.lax.scan(body, x, stack)[0]
+
+  cache = kv_cache.init_cache(cfg, b, _CACHE_LEN.value)
+  step = jax.jit(lambda p, c, t, q: kv_cache.forward_with_cache(cfg, p, t[:, None], q[:, None], c)[0])
+  weights = lambda tree: sum(v.nbytes for v in jax.tree.leaves(tree))
+  parts = {"decode_step": (step, (params, cache, jnp.ones((b,), jnp.int32), jnp.full((b,), 50, jnp.int32)), 0),
+           "mlps": (jax.jit(mlps), (layers, x), weights(layers["mlp"])),
+           "attention_projections": (jax.jit(projections), (layers, x),
+                                     weights({n: layers["attn"][n]["kernel"] for n in ("q_proj", "k_proj", "v_proj",
+                                                                                        "o_proj")})),
+           "lm_head": (jax.jit(lambda e, x: jnp.einsum("MD,VD->MV", x, e)), (params["embed"]["embedding"], x),
+                       params["embed"]["embedding"].nbytes)}
+  for fn, args, _ in parts.values():
+    for _ in range(3):
+      jax.block_until_ready(fn(*args))
+  seconds = {name: [] for name in parts}
+  for _ in range(_REPEATS.value):
+    for name, (fn, args, _) in parts.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      seconds[name].append(time.perf_counter() - start)
+  for name, (_, _, nbytes) in parts.items():
+    ms = 1000 * float(np.median(seconds[name]))
+    line = {"form": "decode_part", "part": name, "batch": b, "ms": round(ms, 2)}
+    if nbytes:
+      line.update(weights_mb=round(nbytes / 1e6, 1), gb_per_s=round(nbytes / ms / 1e6, 2))
+    print(json.dumps(line), flush=True)
 
 
 def _decode_steps(jax, jnp):
