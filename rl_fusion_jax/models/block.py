@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rl_fusion_jax.model_config import ModelConfig
-from rl_fusion_jax.models.layers import MLP, Attention, RMSNorm, attend, half_as_words
+from rl_fusion_jax.models.layers import MLP, Attention, RMSNorm, attend, half_as_words, read_index
 from rl_fusion_jax.models.moe import MoE
 
 
@@ -53,8 +53,8 @@ class DecoderLayer(nnx.Module):
     q_btnh, k_btkh, v_btkh = self.attn.qkv(self.input_norm(x_btd), positions_bt)
     cache = {name: write_rows(cache[name], layer, write_bt, new)
              for name, new in (("k", k_btkh), ("v", v_btkh))}
-    attn_btnh = attend(q_btnh, read_layer(cache["k"], layer).astype(q_btnh.dtype),
-                       read_layer(cache["v"], layer).astype(q_btnh.dtype), mask_bts, kv_axes="BKSH")
+    attn_btnh = attend(q_btnh, read_index(cache["k"], layer).astype(q_btnh.dtype),
+                       read_index(cache["v"], layer).astype(q_btnh.dtype), mask_bts, kv_axes="BKSH")
     x_btd = x_btd + self.attn.out(attn_btnh)
     return x_btd + self.ffn(self.post_attn_norm(x_btd))[0], cache
 
@@ -77,12 +77,4 @@ def write_rows(cache_lbksh: jax.Array, layer, write_bt: jax.Array, new_btkh: jax
   words = jax.lax.scatter(jax.lax.bitcast_convert_type(cache_lbksh, jnp.uint16), index_bt2,
                           jax.lax.bitcast_convert_type(new_btkh, jnp.uint16), dims,
                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
-  return jax.lax.bitcast_convert_type(words, cache_lbksh.dtype)
-
-
-def read_layer(cache_lbksh: jax.Array, layer) -> jax.Array:
-  """cache[layer] ([B, K, S, H]); a half-precision cache on the CPU backend is read as 16-bit words."""
-  if not half_as_words(cache_lbksh.dtype):
-    return cache_lbksh[layer]
-  words = jax.lax.dynamic_index_in_dim(jax.lax.bitcast_convert_type(cache_lbksh, jnp.uint16), layer, keepdims=False)
   return jax.lax.bitcast_convert_type(words, cache_lbksh.dtype)

@@ -23,7 +23,7 @@ from rl_fusion_jax.model_config import ModelConfig
 from rl_fusion_jax.models import moe
 from rl_fusion_jax.models.block import DecoderLayer
 from rl_fusion_jax.models.layers import (F32, PROJ_NAME, RMSNorm, half_as_words, make_param,
-                                          mixed_matmul, mixed_matmul_nt)
+                                          mixed_matmul, mixed_matmul_nt, read_index, write_index)
 
 Params = dict[str, Any]
 # The stacked layer trees: every path under one of these has a leading layer axis.
@@ -70,42 +70,21 @@ def _scan(graphdef, state, step, carry, first: int, count: int, remat: str, unro
   return carry
 
 
-def _is_half(dtype) -> bool:
-  return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2
-
-
 def _to_words(tree):
-  """Half-precision floats of `tree` as their raw 16-bit words (uint16); other leaves as they are."""
-  return jax.tree.map(lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16) if _is_half(x.dtype) else x, tree)
+  """`half_as_words` leaves of `tree` as their raw 16-bit words (uint16); other leaves as they are."""
+  return jax.tree.map(lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16) if half_as_words(x.dtype) else x, tree)
 
 
 def _from_words(words, dtypes):
   """Inverse of `_to_words`, given the original leaves' dtypes."""
-  return jax.tree.map(lambda w, d: jax.lax.bitcast_convert_type(w, d) if _is_half(d) else w, words, dtypes)
-
-
-def _read_layer(stack, position):
-  """Layer `position` of `stack`; a half-precision stack is sliced as 16-bit words."""
-  if not _is_half(stack.dtype):
-    return jax.lax.dynamic_index_in_dim(stack, position, keepdims=False)
-  words = jax.lax.dynamic_index_in_dim(jax.lax.bitcast_convert_type(stack, jnp.uint16), position, keepdims=False)
-  return jax.lax.bitcast_convert_type(words, stack.dtype)
-
-
-def _write_layer(stack, layer, position):
-  """`stack` with `layer` written at `position`; a half-precision stack is updated as 16-bit words."""
-  if not _is_half(stack.dtype):
-    return jax.lax.dynamic_update_index_in_dim(stack, layer.astype(stack.dtype), position, 0)
-  words = jax.lax.dynamic_update_index_in_dim(jax.lax.bitcast_convert_type(stack, jnp.uint16),
-                                              jax.lax.bitcast_convert_type(layer, jnp.uint16), position, 0)
-  return jax.lax.bitcast_convert_type(words, stack.dtype)
+  return jax.tree.map(lambda w, d: jax.lax.bitcast_convert_type(w, d) if half_as_words(d) else w, words, dtypes)
 
 
 def _layer_params(params, position):
   """Layer `position` of the stacked `params`, read behind an `optimization_barrier`: otherwise XLA:CPU
   hoists a float32 convert of every half-precision stack out of the layer loop and slices that."""
   params, position = jax.lax.optimization_barrier((params, position))
-  return jax.tree.map(lambda stack: _read_layer(stack, position), params)
+  return jax.tree.map(lambda stack: read_index(stack, position), params)
 
 
 def _scan_words(body, carry, state, indices, unroll: int):
@@ -162,7 +141,7 @@ def _scan_full_remat_words(body, carry, state, indices, unroll: int):
       _, vjp = jax.vjp(lambda c, layer: body(c, (layer, index))[0], _from_words(input_words, carry_dtypes),
                        _layer_params(params, position))
       ct_in, ct_layer = vjp(ct)
-      return (ct_in, jax.tree.map(lambda g, d: _write_layer(g, d, position), grads, ct_layer)), None
+      return (ct_in, jax.tree.map(lambda g, d: write_index(g, d, position), grads, ct_layer)), None
 
     grads = jax.tree.map(jnp.zeros_like, params)
     (ct_in, grads), _ = jax.lax.scan(step, (ct_out, grads), (inputs, indices, positions), reverse=True,

@@ -23,8 +23,8 @@ F32 = jnp.float32
 # XLA:CPU runs no bfloat16 / float16 dynamic-slice, dynamic-update-slice or scatter: it runs them on a
 # float32 convert of the whole operand (for a stacked operand in a loop, of the whole stack). The layer
 # scans and the KV cache therefore move half-precision stacks on the CPU as raw 16-bit words
-# (`decoder._scan_words`, `decoder._scan_full_remat_words`, `block.write_rows`); False gives XLA's own
-# float32 path, which the tests compare with, bit for bit.
+# (`decoder._scan_words`, `decoder._scan_full_remat_words`, `read_index` / `write_index`,
+# `block.write_rows`); False gives XLA's own float32 path, which the tests compare with, bit for bit.
 HALF_AS_WORDS = True
 
 
@@ -32,6 +32,26 @@ def half_as_words(dtype) -> bool:
   """Whether a stack of `dtype` moves as 16-bit words here (half precision, CPU backend)."""
   return (HALF_AS_WORDS and jax.default_backend() == "cpu" and jnp.issubdtype(dtype, jnp.floating)
           and jnp.dtype(dtype).itemsize == 2)
+
+
+def read_index(stack: jax.Array, index) -> jax.Array:
+  """``stack[index]`` along the leading axis (``index`` may be traced), as 16-bit words where
+  `half_as_words`."""
+  if not half_as_words(stack.dtype):
+    return jax.lax.dynamic_index_in_dim(stack, index, keepdims=False)
+  words = jax.lax.dynamic_index_in_dim(jax.lax.bitcast_convert_type(stack, jnp.uint16), index, keepdims=False)
+  return jax.lax.bitcast_convert_type(words, stack.dtype)
+
+
+def write_index(stack: jax.Array, value: jax.Array, index) -> jax.Array:
+  """``stack`` with ``value`` written at ``index`` of the leading axis, as 16-bit words where
+  `half_as_words` (carried through a loop, XLA:CPU then updates the stack in place)."""
+  value = value.astype(stack.dtype)
+  if not half_as_words(stack.dtype):
+    return jax.lax.dynamic_update_index_in_dim(stack, value, index, 0)
+  words = jax.lax.dynamic_update_index_in_dim(jax.lax.bitcast_convert_type(stack, jnp.uint16),
+                                              jax.lax.bitcast_convert_type(value, jnp.uint16), index, 0)
+  return jax.lax.bitcast_convert_type(words, stack.dtype)
 # Name of every projection matmul's output (`jax.ad_checkpoint.checkpoint_name`): the remat policy
 # 'matmuls' saves exactly these.
 PROJ_NAME = "proj"
@@ -196,7 +216,6 @@ class Projection(nnx.Module):
     return y.reshape((b, t) + y.shape[1:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def mixed_matmul(x_mk: jax.Array, w_kn: jax.Array, low: str) -> jax.Array:
   """float32 ``x @ w`` computed from inputs cast to ``low`` (e.g. 'bfloat16'), accumulated in float32.
 
@@ -204,22 +223,46 @@ def mixed_matmul(x_mk: jax.Array, w_kn: jax.Array, low: str) -> jax.Array:
   matmuls accumulate in float32 (returned in the inputs' own dtypes). The residuals kept for the backward
   pass are the low-precision copies, half the memory of float32 activations.
   """
-  return _low_dot(x_mk.astype(low), w_kn.astype(low))
+  return _mixed(x_mk, w_kn, low, False)
+
+
+def mixed_matmul_nt(x_mk: jax.Array, w_nk: jax.Array, low: str) -> jax.Array:
+  """`mixed_matmul` against a kernel stored transposed, [N, K] (a tied embedding [V, D] as the lm head):
+  float32 ``x @ w.T`` from inputs cast to ``low``, and its gradients as `mixed_matmul` computes them.
+
+  Contracting both operands' last axis is a dot XLA:CPU's YNNPACK path takes in bfloat16; ``x @ w.T``
+  written through `mixed_matmul` is not, and its fallback converts the whole kernel to float32 first
+  (`experiments/benchmark_stacked_weights.py --decode_parts`, BENCHMARKS.md "Real-model decode on CPU").
+  """
+  return _mixed(x_mk, w_nk, low, True)
 
 
 def _low_dot(a, b, contract=((1,), (0,))):
   return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=F32)
 
 
-def _mixed_matmul_fwd(x_mk, w_kn, low):
-  x_low, w_low = x_mk.astype(low), w_kn.astype(low)
+def _forward_contract(transposed: bool):
+  return ((1,), (1,)) if transposed else ((1,), (0,))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _mixed(x_mk, w, low: str, transposed: bool):
+  """`mixed_matmul` (w [K, N]) or `mixed_matmul_nt` (``transposed``: w [N, K])."""
+  return _low_dot(x_mk.astype(low), w.astype(low), _forward_contract(transposed))
+
+
+def _mixed_fwd(x_mk, w, low, transposed):
+  x_low, w_low = x_mk.astype(low), w.astype(low)
   # Zero-size arrays carry the inputs' dtypes to the backward pass (residuals must be arrays).
-  return _low_dot(x_low, w_low), (x_low, w_low, jnp.zeros((0,), x_mk.dtype), jnp.zeros((0,), w_kn.dtype))
+  return (_low_dot(x_low, w_low, _forward_contract(transposed)),
+          (x_low, w_low, jnp.zeros((0,), x_mk.dtype), jnp.zeros((0,), w.dtype)))
 
 
-def _mixed_matmul_bwd(low, residuals, g_mn):
+def _mixed_bwd(low, transposed, residuals, g_mn):
   x_low, w_low, x_tag, w_tag = residuals
   g_low = g_mn.astype(low)
+  if transposed:   # w [N, K]: dx = g w, dw = g^T x
+    return _low_dot(g_low, w_low).astype(x_tag.dtype), _weight_grad(g_low, x_low).astype(w_tag.dtype)
   dx_mk = _low_dot(g_low, w_low, ((1,), (1,))).astype(x_tag.dtype)
   return dx_mk, _weight_grad(x_low, g_low).astype(w_tag.dtype)
 
@@ -241,35 +284,7 @@ def _weight_grad(x_mk: jax.Array, g_mn: jax.Array) -> jax.Array:
                     preferred_element_type=F32)
 
 
-mixed_matmul.defvjp(_mixed_matmul_fwd, _mixed_matmul_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def mixed_matmul_nt(x_mk: jax.Array, w_nk: jax.Array, low: str) -> jax.Array:
-  """`mixed_matmul` against a kernel stored transposed, [N, K] (a tied embedding [V, D] as the lm head):
-  float32 ``x @ w.T`` from inputs cast to ``low``, and its gradients as `mixed_matmul` computes them.
-
-  Contracting both operands' last axis is a dot XLA:CPU's YNNPACK path takes in bfloat16; ``x @ w.T``
-  written through `mixed_matmul` is not, and its fallback converts the whole kernel to float32 first
-  (SmolLM2-135M's tied head in one decode step: 47 ms and a 113 MB float32 copy against 4.2 ms).
-  """
-  return _low_dot(x_mk.astype(low), w_nk.astype(low), ((1,), (1,)))
-
-
-def _mixed_matmul_nt_fwd(x_mk, w_nk, low):
-  x_low, w_low = x_mk.astype(low), w_nk.astype(low)
-  return (_low_dot(x_low, w_low, ((1,), (1,))),
-          (x_low, w_low, jnp.zeros((0,), x_mk.dtype), jnp.zeros((0,), w_nk.dtype)))
-
-
-def _mixed_matmul_nt_bwd(low, residuals, g_mn):
-  x_low, w_low, x_tag, w_tag = residuals
-  g_low = g_mn.astype(low)
-  dx_mk = _low_dot(g_low, w_low).astype(x_tag.dtype)
-  return dx_mk, _weight_grad(g_low, x_low).astype(w_tag.dtype)
-
-
-mixed_matmul_nt.defvjp(_mixed_matmul_nt_fwd, _mixed_matmul_nt_bwd)
+_mixed.defvjp(_mixed_fwd, _mixed_bwd)
 
 
 class MLP(nnx.Module):
