@@ -19,7 +19,9 @@ shapes, random weights), also one decode step (``kv_cache.forward_with_cache``, 
       --decode=float32:float32:1,bf16_matmul:bfloat16:1,bfloat16:bfloat16:1
 
 ``--decode_parts`` times the float32 step at SmolLM2-135M's shapes beside the parts of it that read weights
-(the 30 MLPs, the attention projections, the tied lm head), each alone, all called in turn.
+(the 30 MLPs, the attention projections, the tied lm head), each alone, all called in turn; and the tied
+head under ``bf16_matmul`` over a bfloat16 embedding written as ``mixed_matmul(x, embedding.T)`` and as
+``mixed_matmul_nt(x, embedding)``.
 """
 import json
 import time
@@ -92,14 +94,20 @@ def main(argv):
     _decode_parts(jax, jnp)
 
 
+def _smollm2_config(models):
+  """SmolLM2-135M-Instruct's shapes (float32 params)."""
+  return models.ModelConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                            intermediate_size=1536, tie_word_embeddings=True, rope_theta=1e5)
+
+
 def _decode_parts(jax, jnp):
   """The float32 decode step at SmolLM2-135M's shapes and the parts of it that read weights, each alone
   (a rolled scan over the 30 layers' stacked weights, [batch, hidden] rows), called in turn."""
+  import dataclasses
   from rl_fusion_jax import models
   from rl_fusion_jax.models import kv_cache
-  cfg = models.ModelConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
-                           intermediate_size=1536, tie_word_embeddings=True, rope_theta=1e5, dtype="float32",
-                           scan_unroll=1)
+  from rl_fusion_jax.models.layers import mixed_matmul, mixed_matmul_nt
+  cfg = dataclasses.replace(_smollm2_config(models), dtype="float32", scan_unroll=1)
   params = models.init_params(cfg, jax.random.key(0))
   b, d = _BATCH.value, cfg.hidden_size
   x = jnp.ones((b, d), jnp.float32)
@@ -121,13 +129,19 @@ def _decode_parts(jax, jnp):
   cache = kv_cache.init_cache(cfg, b, _CACHE_LEN.value)
   step = jax.jit(lambda p, c, t, q: kv_cache.forward_with_cache(cfg, p, t[:, None], q[:, None], c)[0])
   weights = lambda tree: sum(v.nbytes for v in jax.tree.leaves(tree))
+  embedding_bf16 = params["embed"]["embedding"].astype(jnp.bfloat16)
   parts = {"decode_step": (step, (params, cache, jnp.ones((b,), jnp.int32), jnp.full((b,), 50, jnp.int32)), 0),
            "mlps": (jax.jit(mlps), (layers, x), weights(layers["mlp"])),
            "attention_projections": (jax.jit(projections), (layers, x),
                                      weights({n: layers["attn"][n]["kernel"] for n in ("q_proj", "k_proj", "v_proj",
                                                                                         "o_proj")})),
            "lm_head": (jax.jit(lambda e, x: jnp.einsum("MD,VD->MV", x, e)), (params["embed"]["embedding"], x),
-                       params["embed"]["embedding"].nbytes)}
+                       params["embed"]["embedding"].nbytes),
+           # The tied head under bf16_matmul over a bfloat16 embedding, written both ways.
+           "lm_head_bf16_x_at_embedding_T": (jax.jit(lambda e, x: mixed_matmul(x, e.T, "bfloat16")),
+                                             (embedding_bf16, x), embedding_bf16.nbytes),
+           "lm_head_bf16_mixed_matmul_nt": (jax.jit(lambda e, x: mixed_matmul_nt(x, e, "bfloat16")),
+                                            (embedding_bf16, x), embedding_bf16.nbytes)}
   for fn, args, _ in parts.values():
     for _ in range(3):
       jax.block_until_ready(fn(*args))
@@ -137,9 +151,10 @@ def _decode_parts(jax, jnp):
       start = time.perf_counter()
       jax.block_until_ready(fn(*args))
       seconds[name].append(time.perf_counter() - start)
-  for name, (_, _, nbytes) in parts.items():
+  for name, (fn, args, nbytes) in parts.items():
     ms = 1000 * float(np.median(seconds[name]))
-    line = {"form": "decode_part", "part": name, "batch": b, "ms": round(ms, 2)}
+    temp = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    line = {"form": "decode_part", "part": name, "batch": b, "ms": round(ms, 2), "temp_mb": round(temp / 1e6, 1)}
     if nbytes:
       line.update(weights_mb=round(nbytes / 1e6, 1), gb_per_s=round(nbytes / ms / 1e6, 2))
     print(json.dumps(line), flush=True)
@@ -155,8 +170,7 @@ def _decode_steps(jax, jnp):
     cfg0, host = hf_io.load_hf(_HF_PATH.value)
     params0 = jax.tree.map(jnp.asarray, host)
   else:   # SmolLM2-135M-Instruct's shapes, random weights: the step's cost does not depend on the values
-    cfg0 = models.ModelConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
-                              intermediate_size=1536, tie_word_embeddings=True, rope_theta=1e5)
+    cfg0 = _smollm2_config(models)
     params0 = models.init_params(cfg0, jax.random.key(0))
   b = _BATCH.value
   steps = {}
