@@ -2,14 +2,20 @@ r"""The project's GRPO step against TRL's GRPOTrainer on the same workload, taki
 
   python experiments/benchmark_vs_trl.py --trl_python=/work/trl_venv/bin/python --rounds=3 --steps=5 \
       --out=/tmp/vs_trl.json
+  python experiments/benchmark_vs_trl.py --config=experiments/configs/smollm2_word_problems.py \
+      --trl_python=/work/trl_venv/bin/python --rounds=3 --steps=1 --warmup_steps=1
 
 The TRL side runs in its own Python environment (torch, transformers, trl, datasets, accelerate; the
 ``trl_bench`` extra of setup.py), which --trl_python (default: $TRL_PYTHON) names; the project never
-imports torch. Results and the command's output are in BENCHMARKS.md, "Against TRL (tiny-grpo)".
+imports torch. Results and the command's output are in BENCHMARKS.md, "Against TRL (tiny-grpo)" and
+"GRPO against TRL on SmolLM2-135M-Instruct".
 
-From --config (default tiny_grpo) this binary writes a workload file: the model as a Hugging Face config
-dict, the char tokenizer, the rollout / loss / optimizer settings, the reward weights and the prompts
-the project's loop draws, in its order, with their answers and token counts. Then two long-lived
+From --config (default tiny_grpo) this binary writes a workload file: the model (a random init as a
+Hugging Face config dict with the char tokenizer, or the checkpoint folder of ``model.hf_path`` with its
+own tokenizer, e.g. smollm2_word_problems.py), the rollout / loss / optimizer settings, the reward
+weights, the prompts the project's loop draws, in its order, with their answers and token counts (chat
+prompts also as their messages and the project's ids), and completions with the project's reward for
+them. ``trl_tiny_grpo.py --check`` checks the TRL side against those ids and rewards. Then two long-lived
 processes take turns (experiments/turns.py): experiments/benchmark_main.py on the config and
 experiments/trl_tiny_grpo.py on the workload. Each starts and runs its first and --warmup_steps steps
 alone; then for each of --rounds rounds each side runs --steps measured steps while the other waits
@@ -77,36 +83,75 @@ def matmul_shapes(cfg) -> list[list[int]]:
           [rows, m.hidden_size, m.vocab_size], [r.batch_size, m.hidden_size, m.intermediate_size]]
 
 
+# Tasks whose verifier the TRL side reimplements (trl_tiny_grpo.py::make_reward): the reward kind of each.
+REWARD_KINDS = {"arithmetic": "integer", "word_problems": "marked_number", "gsm8k": "marked_number"}
+
+
 def workload(cfg, num_steps: int) -> dict:
-  """Everything the TRL side needs to run the config's workload (see the module docstring)."""
+  """Everything the TRL side needs to run the config's workload (see the module docstring).
+
+  The model is either a random init (the config's architecture as a Hugging Face config dict, the char
+  tokenizer) or the checkpoint folder of ``model.hf_path`` (weights and tokenizer read there by both
+  sides); with ``task.prompt_format='chat'`` each prompt is its messages, which the TRL side renders with
+  the folder's chat template, and the project's prompt ids, which the TRL side checks its rendering against.
+  """
   from rl_fusion_jax import hf_config  # pylint: disable=g-import-not-at-top
-  from rl_fusion_jax.orchestration import data  # pylint: disable=g-import-not-at-top
-  from rl_fusion_jax.rewards.registry import make_task  # pylint: disable=g-import-not-at-top
-  from rl_fusion_jax.tokenizer import CharTokenizer, load_tokenizer  # pylint: disable=g-import-not-at-top
-  tokenizer = load_tokenizer(cfg.task.tokenizer, vocab_size=cfg.model.config.vocab_size)
-  if not isinstance(tokenizer, CharTokenizer) or cfg.task.name != "arithmetic" or cfg.model.hf_path:
-    raise app.UsageError("--config: the TRL side reproduces the char tokenizer, the arithmetic task and a "
-                         "random init only")
-  task = make_task(cfg.task.name, seed=cfg.run.seed, **dict(cfg.task.kwargs))   # the loop's train task
+  from rl_fusion_jax.orchestration import data, setup  # pylint: disable=g-import-not-at-top
+  from rl_fusion_jax.tokenizer import CharTokenizer  # pylint: disable=g-import-not-at-top
+  from rl_fusion_jax import chat  # pylint: disable=g-import-not-at-top
+  if cfg.task.name not in REWARD_KINDS:
+    raise app.UsageError(f"--config: task {cfg.task.name!r}; the TRL side reimplements the verifiers of "
+                         f"{sorted(REWARD_KINDS)} only")
+  tokenizer, task, _, _ = setup.tokenizer_and_tasks(cfg)      # the loop's train task and tokenizer
+  char = isinstance(tokenizer, CharTokenizer)
+  if char == bool(cfg.model.hf_path):
+    raise app.UsageError("--config: the TRL side runs the char tokenizer on a random init, or a checkpoint "
+                         "folder (model.hf_path) with its own tokenizer")
   problems = [task.problem(i) for i in range(num_steps * cfg.rollout.num_prompts)]
-  _, lengths = data.encode_prompts(tokenizer, problems, cfg.rollout.max_prompt_len)
+  ids, lengths = data.encode_prompts(tokenizer, problems, cfg.rollout.max_prompt_len)
+  rows = []
+  for i, (p, n) in enumerate(zip(problems, lengths)):
+    row = {"prompt": p.prompt, "answer": p.answer, "prompt_tokens": int(n)}
+    if cfg.task.prompt_format == "chat":
+      plain = task.task.problem(i)
+      row["messages"] = chat.one_turn(plain.prompt.strip(), cfg.task.system_prompt)
+      row["prompt_ids"] = [int(t) for t in ids[i, :n]]
+    rows.append(row)
+  if char:
+    model = {"hf_config": hf_config.to_hf_dict(cfg.model.config), "init_std": cfg.model.init_std}
+    tok = {"kind": "char", "alphabet": tokenizer.alphabet, "vocab_size": tokenizer.vocab_size,
+           "pad_id": tokenizer.pad_id, "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id}
+  else:
+    model = {"hf_path": os.path.abspath(cfg.model.hf_path)}
+    tok = {"kind": "hf", "path": os.path.abspath(cfg.task.tokenizer or cfg.model.hf_path),
+           "pad_id": tokenizer.pad_id, "eos_id": tokenizer.eos_id}
   r, a, o = cfg.rollout, cfg.algo, cfg.optim
+  verifier = getattr(task, "task", task)      # a ChatTask scores with the task it wraps
   return {
-      "config": _CONFIG.value, "seed": cfg.run.seed, "hf_config": hf_config.to_hf_dict(cfg.model.config),
-      "init_std": cfg.model.init_std,
-      "tokenizer": {"alphabet": tokenizer.alphabet, "vocab_size": tokenizer.vocab_size,
-                    "pad_id": tokenizer.pad_id, "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id},
+      "config": _CONFIG.value, "seed": cfg.run.seed, "model": model, "tokenizer": tok,
       "rollout": {k: getattr(r, k) for k in ("num_prompts", "group_size", "max_prompt_len", "max_new_tokens",
                                              "temperature", "top_k", "top_p")},
       "algo": {k: getattr(a, k) for k in ("advantage", "policy_loss", "aggregation", "clip_low", "clip_high",
                                           "kl_coef")},
       "optim": {k: getattr(o, k) for k in ("learning_rate", "b1", "b2", "weight_decay", "grad_clip",
                                            "warmup_steps")},
-      "reward": {"format_reward": task.format_reward, "correct_reward": task.correct_reward},
-      "matmul_shapes": matmul_shapes(cfg),
-      "problems": [{"prompt": p.prompt, "answer": p.answer, "prompt_tokens": int(n)}
-                   for p, n in zip(problems, lengths)],
+      "reward": {"kind": REWARD_KINDS[cfg.task.name], "format_reward": verifier.format_reward,
+                 "correct_reward": verifier.correct_reward},
+      "matmul_shapes": matmul_shapes(cfg), "problems": rows,
+      "reward_checks": reward_checks(verifier, problems[:2]),
   }
+
+
+def reward_checks(task, problems) -> list[dict]:
+  """Completions with the project's reward for them (``task.score``), for the TRL side's verifier to
+  reproduce (``trl_tiny_grpo.py --check``): right, wrong, unformatted and edge-case answers."""
+  out = []
+  for p in problems:
+    a = p.answer
+    for text in (a, f" {a} ", f"-{a}", f"{a}0", "x", f"The sum is {a}.\n#### {a}", f"#### {a}.0",
+                 f"####  ${a}", f"#### {a}\n#### 0", "#### 1,000", f"{a}\n####", f"#### {'9' * 70}"):
+      out.append({"completion": text, "answer": a, "reward": task.score(p, text).reward})
+  return out
 
 
 def jax_matmul_rates(shapes: list[list[int]], split_rows: bool, repeats: int = 20) -> list[dict]:

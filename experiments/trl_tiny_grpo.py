@@ -7,13 +7,16 @@ project's own; see BENCHMARKS.md, "Against TRL (tiny-grpo)", for the versions):
   /work/trl_venv/bin/python experiments/trl_tiny_grpo.py --workload=/tmp/tiny_grpo_workload.json --steps=3
   /work/trl_venv/bin/python experiments/trl_tiny_grpo.py --workload=/tmp/tiny_grpo_workload.json --matmul
 
-The workload file holds the experiment config's model as a Hugging Face config dict, the char
-tokenizer's alphabet and special ids, the rollout / loss / optimizer settings and the prompts with their
-answers (in the order the project's loop draws them). From it this script builds, with no hub access:
-a randomly initialised float32 Qwen2ForCausalLM; a PreTrainedTokenizerFast with one token per character
-and a bos token prepended, so every prompt has the project's token count (checked); the arithmetic
-verifier, reimplemented below (nothing of the project is imported); and a GRPOTrainer with one optimizer
-update per generated batch. It runs one first step, --warmup_steps unmeasured ones and --steps measured
+The workload file holds the model (a checkpoint folder, or the experiment config's architecture as a
+Hugging Face config dict with the char tokenizer's alphabet and special ids), the rollout / loss /
+optimizer settings and the prompts with their answers (in the order the project's loop draws them; chat
+prompts as their messages with the project's token ids). From it this script builds, with no hub access:
+the folder's float32 model and tokenizer, or a randomly initialised float32 model and a
+PreTrainedTokenizerFast with one token per character and a bos token prepended; checks that every prompt
+tokenizes to the project's ids (chat: rendered here by the folder's template) or count (plain text); the
+task's verifier, reimplemented below (nothing of the project is imported: the arithmetic task's integer
+answer, or the word-problem / GSM8K "#### <number>"); and a GRPOTrainer with one optimizer update per
+generated batch. It runs one first step, --warmup_steps unmeasured ones and --steps measured
 ones, and prints one JSON line: median seconds of the step and of its phases:
   * generate: GRPOTrainer._generate (prompt tokenization, transformers' generate, decoding), of which
     hf_generate is model.generate alone;
@@ -28,6 +31,7 @@ torch's float32 matmul rate at the workload's shapes instead and exits.
 from __future__ import annotations
 
 import argparse
+import fractions
 import importlib.util
 import json
 import os
@@ -54,13 +58,20 @@ def _load_turns():
 
 
 def build_tokenizer(tok: dict):
-  """One token per character (ids as in rl_fusion_jax/tokenizer.py::CharTokenizer), bos prepended.
+  """The workload's tokenizer: a checkpoint folder's own (``kind='hf'``), or the char tokenizer.
 
+  Char: one token per character (ids as in rl_fusion_jax/tokenizer.py::CharTokenizer), bos prepended.
   Ids past the alphabet (the model's padded vocabulary) decode to '<unused_N>', text no verifier accepts,
   as CharTokenizer decodes them to U+FFFD.
   """
+  from transformers import AutoTokenizer, PreTrainedTokenizerFast
+  if tok["kind"] == "hf":
+    tokenizer = AutoTokenizer.from_pretrained(tok["path"], padding_side="left")
+    if tokenizer.pad_token_id != tok["pad_id"] or tokenizer.eos_token_id != tok["eos_id"]:
+      raise ValueError(f"{tok['path']}: pad / eos ids {tokenizer.pad_token_id} / {tokenizer.eos_token_id} "
+                       f"here, {tok['pad_id']} / {tok['eos_id']} in the project")
+    return tokenizer
   from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-  from transformers import PreTrainedTokenizerFast
   specials = {"<pad>": tok["pad_id"], "<bos>": tok["bos_id"], "<eos>": tok["eos_id"]}
   first = len(specials)
   vocab = dict(specials) | {ch: first + i for i, ch in enumerate(tok["alphabet"])}
@@ -75,39 +86,73 @@ def build_tokenizer(tok: dict):
                                  eos_token="<eos>", padding_side="left")
 
 
-def build_model(hf_config: dict, tok: dict, init_std: float, seed: int):
-  """A float32 Qwen2ForCausalLM (or Llama) from the config dict, random normal(0, init_std) weights."""
+def build_model(model_spec: dict, tok: dict, seed: int):
+  """A float32 causal LM: the checkpoint folder's weights (``hf_path``), or a random normal(0, init_std)
+  init of the config dict (``hf_config``); generation stops at the project's eos and pads with its pad."""
   import transformers
-  config = transformers.AutoConfig.for_model(**hf_config)
-  config.initializer_range = init_std
-  config.bos_token_id, config.eos_token_id, config.pad_token_id = tok["bos_id"], tok["eos_id"], tok["pad_id"]
-  torch.manual_seed(seed)
-  model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-  model.generation_config.bos_token_id = tok["bos_id"]
+  if "hf_path" in model_spec:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_spec["hf_path"], dtype=torch.float32)
+  else:
+    config = transformers.AutoConfig.for_model(**model_spec["hf_config"])
+    config.initializer_range = model_spec["init_std"]
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = (tok["bos_id"], tok["eos_id"],
+                                                                     tok["pad_id"])
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.bos_token_id = tok["bos_id"]
   model.generation_config.eos_token_id = tok["eos_id"]
   model.generation_config.pad_token_id = tok["pad_id"]
   return model
 
 
 _INTEGER = re.compile(r"-?[0-9]+")
+_MARKED = re.compile(r"####\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
 
 
-def make_reward(format_reward: float, correct_reward: float):
-  """rl_fusion_jax/rewards/arithmetic.py::ArithmeticTask.score, reimplemented: format = the stripped
-  completion is an integer, correct = its value is the answer (at most 64 characters compared)."""
-  def arithmetic_reward(completions, answer, **_):
+def _integer_score(text: str, want: str) -> tuple[bool, bool]:
+  """rl_fusion_jax/rewards/arithmetic.py::ArithmeticTask.score: format = the stripped completion is an
+  integer, correct = its value is the answer (at most 64 characters compared)."""
+  text = text.strip()
+  format_ok = _INTEGER.fullmatch(text) is not None
+  return format_ok, format_ok and len(text) <= 64 and int(text) == int(want)
+
+
+def _marked_number_score(text: str, want: str) -> tuple[bool, bool]:
+  """rl_fusion_jax/rewards/gsm8k.py (GSM8K and word problems): format = the completion holds
+  ``#### <number>`` (the first one counts; commas ignored, at most 64 characters), correct = its value is
+  the answer."""
+  match = _MARKED.search(text)
+  if match is None or len(match.group(1)) > 64:
+    return False, False
+  return True, fractions.Fraction(match.group(1).replace(",", "")) == fractions.Fraction(want)
+
+
+def make_reward(kind: str, format_reward: float, correct_reward: float):
+  """The project's verifier of the workload's task, reimplemented; reward = format_reward * format_ok +
+  correct_reward * correct. Chat completions arrive as [{"role": "assistant", "content": text}]."""
+  score = {"integer": _integer_score, "marked_number": _marked_number_score}[kind]
+
+  def task_reward(completions, answer, **_):
     rewards = []
-    for text, want in zip(completions, answer):
-      text = text.strip()
-      format_ok = _INTEGER.fullmatch(text) is not None
-      correct = format_ok and len(text) <= 64 and int(text) == int(want)
+    for completion, want in zip(completions, answer):
+      text = completion if isinstance(completion, str) else completion[-1]["content"]
+      format_ok, correct = score(text, want)
       rewards.append(format_reward * format_ok + correct_reward * correct)
     return rewards
-  return arithmetic_reward
+  return task_reward
 
 
-def check_prompt_lengths(tokenizer, problems: list[dict]) -> None:
+def check_prompts(tokenizer, problems: list[dict]) -> None:
+  """Each prompt tokenizes here as in the project: the same ids for chat prompts (rendered by the
+  folder's chat template here, by the project's renderer there), the same count otherwise."""
   for p in problems:
+    if "messages" in p:
+      ids = tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=True,
+                                          return_dict=True)["input_ids"]
+      if list(ids) != p["prompt_ids"]:
+        raise ValueError(f"prompt {p['messages']!r}: ids differ from the project's ({len(ids)} vs "
+                         f"{len(p['prompt_ids'])} tokens)")
+      continue
     n = len(tokenizer(p["prompt"])["input_ids"])
     if n != p["prompt_tokens"]:
       raise ValueError(f"prompt {p['prompt']!r}: {n} tokens here, {p['prompt_tokens']} in the project")
@@ -228,6 +273,9 @@ def main():
   parser.add_argument("--bf16", action="store_true",
                       help="GRPOConfig(bf16=True): torch autocast to bfloat16 (float32 weights and optimizer).")
   parser.add_argument("--matmul", action="store_true", help="Print matmul rates at the workload's shapes.")
+  parser.add_argument("--check", action="store_true",
+                      help="Only check the workload against this side (prompt ids, the verifier's rewards on "
+                      "the workload's reward_checks) and exit; needs transformers, not trl.")
   args = parser.parse_args()
   torch.set_num_threads(args.threads or os.cpu_count() or 1)
   with open(args.workload) as f:
@@ -235,6 +283,17 @@ def main():
   if args.matmul:
     print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
                       "matmul": matmul_rates(w["matmul_shapes"])}, sort_keys=True), flush=True)
+    return
+
+  if args.check:
+    check_prompts(build_tokenizer(w["tokenizer"]), w["problems"])
+    reward = make_reward(**w["reward"])
+    checks = w["reward_checks"]
+    got = reward([c["completion"] for c in checks], [c["answer"] for c in checks])
+    wrong = [(c["completion"], c["reward"], r) for c, r in zip(checks, got) if abs(r - c["reward"]) > 1e-9]
+    if wrong:
+      raise ValueError(f"rewards differ from the project's (completion, project, here): {wrong}")
+    print(json.dumps({"checked_prompts": len(w["problems"]), "checked_rewards": len(checks)}), flush=True)
     return
 
   import datasets
@@ -248,9 +307,10 @@ def main():
     raise ValueError(f"the workload holds {len(w['problems'])} prompts; {total} steps need "
                      f"{total * per_step}")
   tokenizer = build_tokenizer(w["tokenizer"])
-  check_prompt_lengths(tokenizer, problems)
-  model = build_model(w["hf_config"], w["tokenizer"], w["init_std"], w["seed"])
-  dataset = datasets.Dataset.from_list([{"prompt": p["prompt"], "answer": p["answer"]} for p in problems])
+  check_prompts(tokenizer, problems)
+  model = build_model(w["model"], w["tokenizer"], w["seed"])
+  dataset = datasets.Dataset.from_list([{"prompt": p.get("messages", p["prompt"]), "answer": p["answer"]}
+                                        for p in problems])
   clock, rows = PhaseClock(), []
   with tempfile.TemporaryDirectory(prefix="trl_tiny_grpo_") as output_dir:
     trainer = trl.GRPOTrainer(

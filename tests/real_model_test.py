@@ -15,6 +15,8 @@ layers; a real mistake (an un-permuted head, a wrong norm eps or RoPE base) move
 """
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -112,3 +114,26 @@ def test_word_problems_config_runs_on_the_model(folder, tmp_path):
   assert [e["step"] for e in examples] == [0] * 4 + [1] * 4
   assert all("<|im_start|>assistant" in e["prompt"] for e in examples)   # the model's chat template
   assert all(isinstance(e["response"], str) for e in examples)
+
+
+def test_trl_side_sees_the_same_prompts_and_rewards(folder, tmp_path):
+  # The GRPO comparison with TRL on this model (experiments/benchmark_vs_trl.py): the TRL side renders each
+  # chat prompt with the folder's template through transformers and must get the project's ids, and its
+  # reimplemented verifier must give the project's reward on every check completion.
+  ref_python = os.environ.get(real_model.REF_PYTHON_ENV)
+  if not ref_python:
+    pytest.skip(f"${real_model.REF_PYTHON_ENV} unset: a Python with transformers")
+  path = str(tmp_path / "workload.json")
+  wrote = subprocess.run([sys.executable, os.path.join(launch.ROOT, "experiments", "benchmark_vs_trl.py"),
+                          f"--config={CONFIG}", f"--write_workload={path}", "--rounds=1", "--steps=1"],
+                         capture_output=True, text=True, timeout=600, env=launch.child_env())
+  assert wrote.returncode == 0, wrote.stderr[-3000:]
+  with open(path, encoding="utf-8") as f:
+    w = json.load(f)
+  assert w["model"] == {"hf_path": folder} and len(w["problems"]) == 8 * 4
+  assert all(p["prompt_ids"][:2] == [1, 9690] for p in w["problems"])    # <|im_start|>system
+  assert sorted({c["reward"] for c in w["reward_checks"]}) == [0.0, 0.1, 1.1]
+  done = subprocess.run([ref_python, os.path.join(launch.ROOT, "experiments", "trl_tiny_grpo.py"),
+                         f"--workload={path}", "--check"], capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert json.loads(done.stdout.splitlines()[-1]) == {"checked_prompts": 32, "checked_rewards": 24}

@@ -8,7 +8,8 @@ import optax
 import pytest
 
 from rl_fusion_jax import models
-from rl_fusion_jax.config import AlgoConfig, MeshConfig, OptimConfig
+from rl_fusion_jax.config import AlgoConfig, MeshConfig, OptimConfig, RunConfig
+from rl_fusion_jax.orchestration.guard import DivergenceGuard
 from rl_fusion_jax.sharding.mesh import make_mesh
 from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
 from rl_fusion_jax.testing.tiny import tiny_model_config
@@ -22,14 +23,15 @@ B, T, PROMPT = 32, 12, 4
 
 
 def setup(optim=OptimConfig(learning_rate=1e-2), algo=AlgoConfig(), mesh_cfg=MeshConfig(data=2, fsdp=4),
-          tx=None, micro=None):
+          tx=None, micro=None, max_response_len=0):
   mesh = make_mesh(mesh_cfg)
   psh = param_shardings(models.abstract_params(CFG), models.param_logical_axes(CFG), mesh, TRAIN_RULES)
   tx = tx or state_lib.make_optimizer(optim)
   ssh = state_lib.state_shardings(tx, models.abstract_params(CFG), psh, mesh)
   params = jax.device_put(models.init_params(CFG, jax.random.key(0), init_std=0.3), psh)
   state = state_lib.create_train_state(params, tx, ssh)
-  step = step_lib.make_rl_step(CFG, algo, 1.0, tx, micro or optim.micro_batches, mesh, T - PROMPT, ssh)
+  step = step_lib.make_rl_step(CFG, algo, 1.0, tx, micro or optim.micro_batches, mesh, T - PROMPT, ssh,
+                               max_response_len=max_response_len)
   return state, step
 
 
@@ -74,6 +76,41 @@ def test_micro_batches_give_the_full_batch_update(aggregation):
   np.testing.assert_allclose(float(m1["loss"]), float(m4["loss"]), rtol=1e-4, atol=1e-6)
   for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s4.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("micro", [1, 4])
+def test_lm_head_on_the_response_window_gives_the_full_head_update(micro):
+  """With max_response_len the lm head runs on 8 of 11 positions per row; masked tokens sit at different
+  offsets per row (prompts of 2-4 tokens), so the window's start is per row. Same update and metrics."""
+  algo = AlgoConfig(entropy_coef=0.01)      # the entropy enters the loss, so its window entries matter too
+  full, step_full = setup(OptimConfig(micro_batches=micro), algo, tx=optax.sgd(1.0))
+  win, step_win = setup(OptimConfig(micro_batches=micro), algo, tx=optax.sgd(1.0), max_response_len=T - PROMPT)
+  data = batch(11)
+  shift = np.random.default_rng(0).integers(0, 3, size=B)     # prompt b has PROMPT - shift[b] tokens
+  roll = lambda x: jnp.asarray(np.stack([np.roll(np.asarray(row), -k) for row, k in zip(x, shift)]))
+  data = data.replace(**{f: roll(getattr(data, f)) for f in ("tokens_bt", "mask_bt", "advantages_bt",
+                                                             "behaviour_logp_bt")})
+  full, m_full = step_full(full, data)
+  win, m_win = step_win(win, data)
+  assert float(m_win[step_lib.WINDOW_METRIC]) == 0 and float(m_win["nonfinite"]) == 0
+  for key in ("loss", "grad_norm", "entropy", "clip_frac", "ratio"):
+    np.testing.assert_allclose(float(m_win[key]), float(m_full[key]), rtol=1e-5, atol=1e-7, err_msg=key)
+  for a, b in zip(jax.tree.leaves(full.params), jax.tree.leaves(win.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+
+
+def test_a_response_longer_than_the_head_window_withholds_the_update():
+  state, step = setup(max_response_len=2)
+  before = jax.tree.map(np.asarray, state.params)
+  data = batch(3)
+  state, metrics = step(state, data)
+  longer = np.sum(np.maximum(np.asarray(data.mask_bt).sum(axis=1) - 2, 0))
+  assert float(metrics[step_lib.WINDOW_METRIC]) == longer > 0
+  assert int(metrics["nonfinite"]) == step_lib.WINDOW_CODE
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params)):
+    np.testing.assert_array_equal(a, np.asarray(b))
+  with pytest.raises(RuntimeError, match="outside the lm head's window"):
+    DivergenceGuard(RunConfig(on_nonfinite="skip"), "rl").check(1, {"nonfinite": float(metrics["nonfinite"])})
 
 
 def test_on_policy_gradient_equals_reinforce_reference():

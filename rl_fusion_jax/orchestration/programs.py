@@ -131,7 +131,8 @@ class Programs:
     # The micro-batch count follows each batch's shape (width bucket, row bucket): see OptimConfig.
     self.micro = step_lib.MicroBatching.from_optim(cfg.optim, self.mesh.devices.flat[0].platform)
     self.train_step = step_lib.make_rl_step(model_cfg, cfg.algo, temperature, self.tx, self.micro, self.mesh,
-                                            r.max_new_tokens, self.state_shardings, d.train_rules)
+                                            r.max_new_tokens, self.state_shardings, d.train_rules,
+                                            max_response_len=r.max_new_tokens)
     self.packed_step, self.row_buckets, self.plan_micro, self.stream_pages = None, (), 1, None
     fixed = cfg.optim.fixed_row_count
     if cfg.optim.pack_rows:
@@ -216,7 +217,7 @@ class Programs:
     if self.packed_step is None:
       self.train_step_prox = step_lib.make_rl_step(model_cfg, a, temperature, self.tx, self.micro, self.mesh,
                                                    r.max_new_tokens, self.state_shardings, d.train_rules,
-                                                   proximal=True)
+                                                   proximal=True, max_response_len=r.max_new_tokens)
       self.take_rows = jax.jit(lambda batch, idx: jax.tree.map(lambda x: x[idx], batch),
                                out_shardings=step_lib.batch_shardings(self.mesh, proximal=True))
     else:

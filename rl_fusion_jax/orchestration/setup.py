@@ -137,11 +137,10 @@ def _check_lengths(cfg: ExperimentConfig, tokenizer, tasks) -> None:
       data.encode_sft(tokenizer, problems, r.seq_len)
 
 
-def validate(cfg: ExperimentConfig, num_devices: int, *, per_process: bool = True) -> Setup:
-  """Every check that needs no compile: devices, rules, tokenizer, tasks, prompt lengths, checkpoints.
-  ``per_process``: as in ``make_deployment``."""
-  cfg.check_devices(num_devices)
-  check_rules(cfg, num_devices, per_process=per_process)
+def tokenizer_and_tasks(cfg: ExperimentConfig):
+  """(tokenizer, train task, warm-up task, held-out task) as the run builds them: the tokenizer of
+  ``task.tokenizer`` (or of ``model.hf_path``) and, with ``task.prompt_format='chat'``, its chat form and
+  the tasks' prompts rendered by its template."""
   if not (cfg.task.tokenizer or cfg.model.hf_path):
     raise ValueError("config.task.tokenizer: '' means the tokenizer in config.model.hf_path, which is empty")
   try:
@@ -152,6 +151,15 @@ def validate(cfg: ExperimentConfig, num_devices: int, *, per_process: bool = Tru
   tasks = _make_tasks(cfg)
   if cfg.task.prompt_format == "chat":
     tokenizer, tasks = _chat_prompts(cfg, tokenizer, tasks)
+  return (tokenizer, *tasks)
+
+
+def validate(cfg: ExperimentConfig, num_devices: int, *, per_process: bool = True) -> Setup:
+  """Every check that needs no compile: devices, rules, tokenizer, tasks, prompt lengths, checkpoints.
+  ``per_process``: as in ``make_deployment``."""
+  cfg.check_devices(num_devices)
+  check_rules(cfg, num_devices, per_process=per_process)
+  tokenizer, *tasks = tokenizer_and_tasks(cfg)
   _check_lengths(cfg, tokenizer, tasks)
   hf_params, rm = _read_checkpoints(cfg)
   return Setup(cfg, tokenizer, *tasks, hf_params=hf_params, reward_model=rm, critic_params=_read_critic(cfg))

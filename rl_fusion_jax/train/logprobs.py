@@ -54,18 +54,51 @@ def head_logprobs(model_cfg: models.ModelConfig, params, hidden_nd: jax.Array, t
   return outs if with_entropy else outs[0]
 
 
+def response_window(mask_bt: jax.Array, length: int) -> tuple[jax.Array, jax.Array]:
+  """(start_b, outside): the lm head window of ``token_logprobs`` that holds each row's masked tokens.
+
+  ``start_b`` [B] int32: the target index (token index - 1) of each row's first token with mask > 0 (0
+  for a row without one), so the window covers tokens ``start_b + 1 .. start_b + length``. ``outside``:
+  int32 scalar, the number of masked tokens past their row's window (0 whenever every row's masked
+  tokens span at most ``length`` positions, e.g. responses of at most ``rollout.max_new_tokens``).
+  """
+  used_bt = mask_bt[:, 1:] > 0
+  start_b = jnp.argmax(used_bt, axis=1).astype(jnp.int32)
+  t = jnp.arange(used_bt.shape[1], dtype=jnp.int32)[None, :]
+  inside = (t >= start_b[:, None]) & (t < start_b[:, None] + length)
+  return start_b, jnp.sum(used_bt & ~inside, dtype=jnp.int32)
+
+
 def token_logprobs(model_cfg: models.ModelConfig, params, tokens_bt: jax.Array, temperature: float = 1.0,
-                   *, with_entropy: bool = False, with_aux: bool = False):
+                   *, with_entropy: bool = False, with_aux: bool = False,
+                   head_window: tuple[jax.Array, int] | None = None):
   """logp_bt[b, t] = log pi(tokens[b, t] | tokens[b, :t]) with logits / temperature; 0 at t = 0.
 
   Returns ``logp_bt`` or ``(logp_bt, entropy_bt)``; entropy_bt[b, t] is the entropy of the distribution
   that token t was drawn from. Both float32 [B, T], aligned with ``tokens_bt``. The lm head runs
   ``model_cfg.logits_chunk`` tokens at a time (`head_logprobs`). With ``with_aux`` the MoE router aux
   (`decoder.hidden_with_aux`; {} for a dense model) is appended to the returned tuple.
+
+  ``head_window = (start_b, L)`` (``response_window``): the lm head runs only on tokens ``start_b + 1 ..
+  start_b + L`` of each row (a response, where the loss reads), B x L positions instead of B x (T - 1);
+  the other entries of both outputs are 0. Each computed entry is the full computation's, row for row.
   """
   hidden_btd, aux = decoder.hidden_with_aux(model_cfg, params, tokens_bt[:, :-1])
-  outs = head_logprobs(model_cfg, params, hidden_btd, tokens_bt[:, 1:], temperature, with_entropy=with_entropy)
-  pad = lambda x_bt: jnp.pad(x_bt, ((0, 0), (1, 0)))
-  outs = (pad(outs[0]), pad(outs[1])) if with_entropy else (pad(outs),)
+  targets_bt = tokens_bt[:, 1:]
+  if head_window is None:
+    outs = head_logprobs(model_cfg, params, hidden_btd, targets_bt, temperature, with_entropy=with_entropy)
+    outs = outs if with_entropy else (outs,)
+  else:
+    start_b, length = head_window
+    width = targets_bt.shape[1]
+    index_bl = start_b[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
+    clipped_bl = jnp.minimum(index_bl, width - 1)      # past the row's end: computed, then dropped
+    h_bld = jnp.take_along_axis(hidden_btd, clipped_bl[:, :, None], axis=1)
+    t_bl = jnp.take_along_axis(targets_bt, clipped_bl, axis=1)
+    outs = head_logprobs(model_cfg, params, h_bld, t_bl, temperature, with_entropy=with_entropy)
+    outs = outs if with_entropy else (outs,)
+    rows_bl = jnp.broadcast_to(jnp.arange(index_bl.shape[0])[:, None], index_bl.shape)
+    outs = tuple(jnp.zeros(targets_bt.shape, x.dtype).at[rows_bl, index_bl].set(x, mode="drop") for x in outs)
+  outs = tuple(jnp.pad(x_bt, ((0, 0), (1, 0))) for x_bt in outs)
   outs += (aux,) if with_aux else ()
   return outs if len(outs) > 1 else outs[0]

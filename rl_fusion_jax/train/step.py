@@ -26,7 +26,7 @@ from rl_fusion_jax.config import AlgoConfig
 from rl_fusion_jax.sharding.expert_parallel import with_expert_parallel
 from rl_fusion_jax.sharding.mesh import BATCH_AXES, batch_sharding, batch_shards, replicated
 from rl_fusion_jax.sharding.rules import TRAIN_RULES, Rules
-from rl_fusion_jax.train.logprobs import token_logprobs
+from rl_fusion_jax.train.logprobs import response_window, token_logprobs
 from rl_fusion_jax.train.state import TrainState
 from rl_fusion_jax.types import TrainBatch
 
@@ -159,9 +159,17 @@ def _accumulate(loss_fn: LossFn, params, batch, weights_bt, num_micro: int, mesh
   return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), sums
 
 
+# Not a divergence but a broken invariant (``rl_loss``'s head window missed masked tokens): the update is
+# withheld like a non-finite one and the host always stops.
+WINDOW_CODE = 5
+# The count behind it, a metric of ``rl_loss`` with a head window.
+WINDOW_METRIC = MAX_PREFIX + "head/tokens_outside_window"
+
 # The divergence guard: what ``metrics["nonfinite"]`` holds after an update (0: all finite, else the first
 # non-finite quantity in the order they are computed). The host names it with NONFINITE_NAMES.
-NONFINITE_NAMES = {1: "loss or a loss metric", 2: "gradients", 3: "updated parameters", 4: "optimizer state"}
+NONFINITE_NAMES = {1: "loss or a loss metric", 2: "gradients", 3: "updated parameters", 4: "optimizer state",
+                   WINDOW_CODE: "response tokens outside the lm head's window (a response longer than "
+                                "rollout.max_new_tokens)"}
 
 
 def all_finite(tree) -> jax.Array:
@@ -192,6 +200,8 @@ def update(loss_fn: LossFn, tx: optax.GradientTransformation, num_micro: int, me
   params = optax.apply_updates(state.params, updates)
   sums["grad_norm"] = optax.global_norm(grads)
   code = _first_nonfinite(sums, grads, params, opt_state)
+  if WINDOW_METRIC in sums:
+    code = jnp.where(sums[WINDOW_METRIC] > 0, jnp.int32(WINDOW_CODE), code)
   ok = code == 0
   keep = lambda new, old: jnp.where(ok, new, old)
   new_state = state.replace(step=state.step + 1, params=jax.tree.map(keep, params, state.params),
@@ -208,16 +218,28 @@ def update(loss_fn: LossFn, tx: optax.GradientTransformation, num_micro: int, me
 # ----------------------------------------------------------------------------------------------------
 
 def rl_loss(model_cfg: models.ModelConfig, algo: AlgoConfig, temperature: float,
-            params, batch: TrainBatch, weights, current_version=None):
+            params, batch: TrainBatch, weights, current_version=None, head_len: int = 0):
   """Policy loss + optional KL and entropy terms, aggregated with the precomputed token weights; for an
-  MoE policy plus the router's auxiliary losses (`router_aux_loss`; padded rows route their padding too)."""
+  MoE policy plus the router's auxiliary losses (`router_aux_loss`; padded rows route their padding too).
+
+  ``head_len`` > 0 (at most the longest response, ``rollout.max_new_tokens``): the lm head runs on a
+  window of ``head_len`` tokens per row from its first masked token (``logprobs.response_window``), not on
+  every position; the loss and metrics read masked tokens only, so they are unchanged. Masked tokens
+  past the window are counted in ``WINDOW_METRIC``, and ``update`` withholds such an update.
+  """
+  window, outside = None, None
+  if 0 < head_len < batch.tokens_bt.shape[1] - 1:
+    start_b, outside = response_window(batch.mask_bt, head_len)
+    window = (start_b, head_len)
   logp_bt, entropy_bt, aux = token_logprobs(model_cfg, params, batch.tokens_bt, temperature,
-                                            with_entropy=True, with_aux=True)
+                                            with_entropy=True, with_aux=True, head_window=window)
   loss, sums = rl_loss_from_logprobs(algo, logp_bt, entropy_bt, behaviour_logp_bt=batch.behaviour_logp_bt,
                                      advantages=batch.advantages_bt, mask_bt=batch.mask_bt,
                                      ref_logp_bt=batch.ref_logp_bt, weights=weights,
                                      proximal_logp_bt=batch.proximal_logp_bt, version_bt=batch.version_bt,
                                      current_version=current_version)
+  if outside is not None:
+    sums[WINDOW_METRIC] = outside.astype(jnp.float32)
   return add_router_aux(model_cfg, loss, sums, aux, weights)
 
 
@@ -320,10 +342,12 @@ def _metric_weights(mask_bt):
 
 
 def rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: MicroBatching, mesh: Mesh,
-            norm_len: int, state: TrainState, batch: TrainBatch, bump_version: bool = True):
+            norm_len: int, state: TrainState, batch: TrainBatch, bump_version: bool = True,
+            head_len: int = 0):
   loss_w_bt = registry.get_token_weights_fn(algo.aggregation)(batch.mask_bt, norm_len=norm_len)
   weights = (loss_w_bt, _metric_weights(batch.mask_bt))
-  loss_fn = functools.partial(rl_loss, model_cfg, algo, temperature, current_version=state.policy_version)
+  loss_fn = functools.partial(rl_loss, model_cfg, algo, temperature, current_version=state.policy_version,
+                              head_len=head_len)
   num_micro = micro.num_micro(*batch.tokens_bt.shape, batch_shards(mesh))
   return update(loss_fn, tx, num_micro, mesh, state, batch, weights, bump_version=bump_version)
 
@@ -348,8 +372,12 @@ def batch_shardings(mesh: Mesh, proximal: bool = False) -> TrainBatch:
 
 
 def make_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: MicroBatching | int, mesh: Mesh,
-                 norm_len: int, shardings: TrainState, rules: Rules = TRAIN_RULES, *, proximal: bool = False):
+                 norm_len: int, shardings: TrainState, rules: Rules = TRAIN_RULES, *, proximal: bool = False,
+                 max_response_len: int = 0):
   """``train_step(state, batch) -> (state, metrics)``, compiled once per batch shape, state donated.
+
+  ``max_response_len`` > 0 (``rollout.max_new_tokens``): no row has more masked tokens than this, so the
+  lm head runs on that many positions per row (``rl_loss``'s ``head_len``) instead of all of them.
 
   ``micro``: a ``MicroBatching`` (the count follows the batch's shape) or a fixed micro-batch count.
   ``norm_len`` (the Dr. GRPO constant) does not depend on the batch width. ``rules``: the training rule
@@ -358,7 +386,7 @@ def make_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: Mic
   policy version as it is (``bump_policy_version`` after the batch's last one).
   """
   fn = functools.partial(rl_step, model_cfg, algo, temperature, tx, as_micro_batching(micro), mesh, norm_len,
-                         bump_version=not proximal)
+                         bump_version=not proximal, head_len=max_response_len)
   fn = with_expert_parallel(fn, model_cfg, mesh, rules)
   return jax.jit(fn, in_shardings=(shardings, batch_shardings(mesh, proximal)),
                  out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
