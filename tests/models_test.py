@@ -3,6 +3,8 @@
 Numerical agreement with transformers is tested in hf_io_test.py; here `forward` (validated there) is
 the reference for the cached path.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -186,6 +188,28 @@ def test_half_precision_layers_give_the_checkpointed_gradients(monkeypatch, dtyp
   assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(words[1]))
   assert float(jnp.max(jnp.abs(words[1]["layers"]["attn"]["o_proj"]["kernel"]))) > 0
   _assert_trees_equal(words, plain)
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_bf16_matmul_residuals_as_words_give_the_same_gradients(monkeypatch, param_dtype):
+  # remat='none': JAX stacks every layer's saved matmul inputs (bfloat16 under 'bf16_matmul') over the
+  # scan; `layers._mixed` saves them as 16-bit words on the CPU. The same bfloat16 values reach every
+  # gradient matmul either way; with bfloat16 params the results are equal bit for bit. With float32
+  # params XLA's own path runs some of those matmuls as float32 dots of the bfloat16 values (its
+  # float32 copy of the stack), which sum in another order: equal to float32 rounding (measured 3.8e-6
+  # relative), where a wrong residual (another layer's, or not rounded) would differ by bfloat16's 4e-3.
+  cfg = dataclasses.replace(_half_config("bf16_matmul", 1, False, remat="none"), param_dtype=param_dtype)
+  params = models.init_params(cfg, jax.random.key(1), init_std=0.3)
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 48, size=(3, 10)), jnp.int32)
+  loss = lambda p, t: jnp.sum(decoder.hidden_with_aux(cfg, p, t)[0] * jnp.arange(16.0))
+  words, plain = _as_words_and_not(
+      monkeypatch, lambda: jax.jit(jax.value_and_grad(lambda *args: loss(*args)))(params, tokens))
+  assert float(jnp.max(jnp.abs(words[1]["layers"]["mlp"]["down_proj"]["kernel"]))) > 0
+  if param_dtype == "bfloat16":
+    _assert_trees_equal(words, plain)
+    return
+  for x, y in zip(jax.tree.leaves(words), jax.tree.leaves(plain)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=1e-5 * float(jnp.max(jnp.abs(y))))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "bf16_matmul"])

@@ -61,4 +61,8 @@ def get_config(arg: str = ""):
     # remat, and one device (two would each read every weight for half the rows).
     c.model.update(dtype="float32", remat="none", scan_unroll=1)
     c.mesh.cpu_devices = 1
+    # The optimizer state stays put while generating: on a CPU "host memory" is the same RAM, so moving it
+    # there and back only copies it (1.08 GB of AdamW state for SmolLM2-135M, twice a step; BENCHMARKS.md,
+    # "GRPO against TRL on SmolLM2-135M-Instruct").
+    c.fusion.offload_optimizer = False
   return c

@@ -252,14 +252,21 @@ def _mixed(x_mk, w, low: str, transposed: bool):
 
 
 def _mixed_fwd(x_mk, w, low, transposed):
-  x_low, w_low = x_mk.astype(low), w.astype(low)
-  # Zero-size arrays carry the inputs' dtypes to the backward pass (residuals must be arrays).
-  return (_low_dot(x_low, w_low, _forward_contract(transposed)),
-          (x_low, w_low, jnp.zeros((0,), x_mk.dtype), jnp.zeros((0,), w.dtype)))
+  x_low = x_mk.astype(low)
+  # Residuals: the low-precision input (as 16-bit words where `half_as_words`: inside a layer scan JAX
+  # stacks residuals over the layers, and XLA:CPU would update a bfloat16 stack through a float32 copy of
+  # all of it on every layer) and the kernel as it came (a scanned layer's slice: JAX reads it from the
+  # stacked params again instead of stacking a low-precision copy). Zero-size arrays carry the inputs'
+  # dtypes to the backward pass (residuals must be arrays).
+  x_res = jax.lax.bitcast_convert_type(x_low, jnp.uint16) if half_as_words(x_low.dtype) else x_low
+  return (_low_dot(x_low, w.astype(low), _forward_contract(transposed)),
+          (x_res, w, jnp.zeros((0,), x_mk.dtype), jnp.zeros((0,), w.dtype)))
 
 
 def _mixed_bwd(low, transposed, residuals, g_mn):
-  x_low, w_low, x_tag, w_tag = residuals
+  x_res, w, x_tag, w_tag = residuals
+  x_low = jax.lax.bitcast_convert_type(x_res, low) if x_res.dtype == jnp.uint16 else x_res
+  w_low = w.astype(low)
   g_low = g_mn.astype(low)
   if transposed:   # w [N, K]: dx = g w, dw = g^T x
     return _low_dot(g_low, w_low).astype(x_tag.dtype), _weight_grad(g_low, x_low).astype(w_tag.dtype)
