@@ -72,7 +72,11 @@ for argv in json.load(sys.stdin):
       except Parsed:
         pass
       if "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
-        config_lib.experiment_from_dict(flags.FLAGS["config"].value)
+        value = flags.FLAGS["config"].value
+        if isinstance(value, str):   # a plain path flag (benchmark_vs_trl.py): the config file's dict
+          path, _, variant = value.partition(":")
+          value = runpy.run_path(path)["get_config"](variant)
+        config_lib.experiment_from_dict(value)
       message = "ok"
     except BaseException as e:  # pylint: disable=broad-except
       message = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"

@@ -78,13 +78,15 @@ def test_micro_batches_give_the_full_batch_update(aggregation):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-4)
 
 
-@pytest.mark.parametrize("micro", [1, 4])
-def test_lm_head_on_the_response_window_gives_the_full_head_update(micro):
-  """With max_response_len the lm head runs on 8 of 11 positions per row; masked tokens sit at different
-  offsets per row (prompts of 2-4 tokens), so the window's start is per row. Same update and metrics."""
+@pytest.mark.parametrize("micro,window", [(1, T - PROMPT), (4, T - PROMPT + 1)])
+def test_lm_head_on_the_response_window_gives_the_full_head_update(micro, window):
+  """With max_response_len the lm head runs on 8 (or 9) of 11 positions per row; masked tokens sit at
+  different offsets per row (prompts of 2-4 tokens), so the window's start is per row, and a 9-position
+  window of a 4-token prompt runs past the row's end (that position is computed and dropped). Same update
+  and metrics."""
   algo = AlgoConfig(entropy_coef=0.01)      # the entropy enters the loss, so its window entries matter too
   full, step_full = setup(OptimConfig(micro_batches=micro), algo, tx=optax.sgd(1.0))
-  win, step_win = setup(OptimConfig(micro_batches=micro), algo, tx=optax.sgd(1.0), max_response_len=T - PROMPT)
+  win, step_win = setup(OptimConfig(micro_batches=micro), algo, tx=optax.sgd(1.0), max_response_len=window)
   data = batch(11)
   shift = np.random.default_rng(0).integers(0, 3, size=B)     # prompt b has PROMPT - shift[b] tokens
   roll = lambda x: jnp.asarray(np.stack([np.roll(np.asarray(row), -k) for row, k in zip(x, shift)]))
