@@ -81,22 +81,25 @@ def token_logprobs(model_cfg: models.ModelConfig, params, tokens_bt: jax.Array, 
 
   ``head_window = (start_b, L)`` (``response_window``): the lm head runs only on tokens ``start_b + 1 ..
   start_b + L`` of each row (a response, where the loss reads), B x L positions instead of B x (T - 1);
-  the other entries of both outputs are 0. Each computed entry is the full computation's, row for row.
+  the other entries of both outputs are 0. Each computed entry equals the full computation's up to
+  float32 rounding (the head's matmuls run over other rows; `tests/train_step_test.py`).
   """
   hidden_btd, aux = decoder.hidden_with_aux(model_cfg, params, tokens_bt[:, :-1])
   targets_bt = tokens_bt[:, 1:]
+
+  def head(h, t):   # always a tuple: (logp,) or (logp, entropy)
+    out = head_logprobs(model_cfg, params, h, t, temperature, with_entropy=with_entropy)
+    return out if with_entropy else (out,)
+
   if head_window is None:
-    outs = head_logprobs(model_cfg, params, hidden_btd, targets_bt, temperature, with_entropy=with_entropy)
-    outs = outs if with_entropy else (outs,)
+    outs = head(hidden_btd, targets_bt)
   else:
     start_b, length = head_window
     width = targets_bt.shape[1]
     index_bl = start_b[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
     clipped_bl = jnp.minimum(index_bl, width - 1)      # past the row's end: computed, then dropped
-    h_bld = jnp.take_along_axis(hidden_btd, clipped_bl[:, :, None], axis=1)
-    t_bl = jnp.take_along_axis(targets_bt, clipped_bl, axis=1)
-    outs = head_logprobs(model_cfg, params, h_bld, t_bl, temperature, with_entropy=with_entropy)
-    outs = outs if with_entropy else (outs,)
+    outs = head(jnp.take_along_axis(hidden_btd, clipped_bl[:, :, None], axis=1),
+                jnp.take_along_axis(targets_bt, clipped_bl, axis=1))
     rows_bl = jnp.broadcast_to(jnp.arange(index_bl.shape[0])[:, None], index_bl.shape)
     outs = tuple(jnp.zeros(targets_bt.shape, x.dtype).at[rows_bl, index_bl].set(x, mode="drop") for x in outs)
   outs = tuple(jnp.pad(x_bt, ((0, 0), (1, 0))) for x_bt in outs)
