@@ -127,6 +127,9 @@ def setup_jax(cpu_devices: int, cache_dir: str, distributed=None) -> None:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if jax.process_count() > 1 and jax.default_backend() == "cpu":   # processes' cache keys differ on CPU
+      from rl_fusion_jax import distributed as distributed_lib  # pylint: disable=g-import-not-at-top
+      distributed_lib.cache_from_every_process()
   logging.info("JAX %s on %s: %d devices, %d local to process %d of %d", jax.__version__,
                jax.devices()[0].platform, jax.device_count(), jax.local_device_count(), jax.process_index(),
                jax.process_count())

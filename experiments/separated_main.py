@@ -75,8 +75,10 @@ def main(argv):
     from rl_fusion_jax.orchestration import separated
     separated.initialize(distributed, _TRANSPORT.value)
     import jax
-    if _CACHE.value:   # (JAX writes it from process 0 only: the training side recompiles)
+    if _CACHE.value:   # each side compiles its own programs: both write their cache entries
       jax.config.update("jax_compilation_cache_dir", os.path.expanduser(_CACHE.value))
+      from rl_fusion_jax import distributed as distributed_lib  # pylint: disable=g-import-not-at-top
+      distributed_lib.cache_from_every_process()
     options = separated.Options(reproducible=_SCHEDULE.value == "reproducible",
                                 weight_transport=_TRANSPORT.value)
     summary = separated.run(cfg, _WORKDIR.value, options)

@@ -132,6 +132,33 @@ def initialize(cfg: DistributedConfig) -> None:
         f"failed within --distributed_timeout_s={cfg.timeout_s}: {first}") from e
 
 
+def cache_from_every_process() -> None:
+  """Lets every process write its own persistent compilation-cache entries, not process 0 alone.
+
+  JAX writes them from process 0 only: in one SPMD program every process compiles the same executable
+  under the same key, and one writer spares a shared filesystem the contention. Where the processes' keys
+  differ (on CPU; the separated schedule's sides compile different programs anyway) a process other than 0
+  never finds its programs in the cache and compiles every one again at every start: a resumed run, the
+  next run of a config. Each process writes only its own keys, so nothing contends.
+  Private JAX API (``compiler._cache_write``): nothing changes if it moved.
+  """
+  from jax._src import compiler, distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+  original = getattr(compiler, "_cache_write", None)
+  if original is None or getattr(original, "_every_process", False) or not hasattr(
+      jax_distributed.global_state, "process_id"):
+    return
+
+  def write(*args, **kwargs):
+    state = jax_distributed.global_state
+    saved, state.process_id = state.process_id, 0
+    try:
+      return original(*args, **kwargs)
+    finally:
+      state.process_id = saved
+  write._every_process = True
+  compiler._cache_write = write
+
+
 def _wait_for_coordinator(address: str, timeout_s: int) -> None:
   """Waits until the coordinator's port accepts connections; ConfigError naming the address when nothing
   does within ``timeout_s`` (JAX's own start-up would abort the process instead, with no Python error).

@@ -198,6 +198,31 @@ def test_short_prompts_prefill_at_their_own_width():
   assert_same_as_generator({k: v[:, :P + N] if v.ndim == 2 else v for k, v in out.items()}, ref)
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["grpo_groups", "groups_of_distinct_prompts"])
+def test_a_group_shares_its_prompt_forward(shared):
+  # Groups of 4 over 4 batch shards (2 x 2 x 2), refills of 8 rows: the refill's forward runs on
+  # ceil(7 / 4) + 1 = 3 -> 4 rows, one per distinct (group, prompt), and every slot of a group gets its
+  # KV. GRPO groups (one prompt each): 2 prompts per refill, all 8 rows admitted. Groups whose samples
+  # have distinct prompts: 4 rows a refill. The samples are the batch Generator's either way.
+  mesh_cfg = MeshConfig(data=2, fsdp=2, tensor=2)
+  mesh, shardings, params = setup(mesh_cfg)
+  toks, lens = prompts()
+  if shared:
+    toks, lens = np.repeat(toks[::4], 4, axis=0), np.repeat(lens[::4], 4)
+  gen = Generator(GenerateSpec(CFG, SAMPLED, P, N, EOS), mesh, shardings)
+  ref = jax.device_get(gen(params, jnp.asarray(toks), jnp.asarray(lens), jnp.arange(B, dtype=jnp.int32),
+                           jax.random.key(0), jnp.int32(7)))
+  assert 2 < ref.finished_b.sum() < B - 2
+  engine = make_engine(SAMPLED, EOS, num_slots=16, chunk_steps=3, mesh_cfg=mesh_cfg, prefill_rows=8, group_size=4)
+  assert engine.programs.unique_rows == 4
+  out, results = run_all(engine, params, make_requests(toks, lens, group_size=4))
+  assert_same_as_generator(out, ref)
+  refills = sum(r.stats["refill_prefills"] for r in results)
+  admitted = sum(r.stats["prefill_rows"] for r in results)
+  assert admitted == B and refills == (3 if shared else 6)
+  assert sum(r.stats["prefill_tokens"] for r in results) == refills * 4 * P   # 4 rows at width P
+
+
 def test_prefill_width_is_the_smallest_bucket_that_holds_the_prefix():
   widths = slots.prefill_widths(16, 48)
   assert widths == (8, 16, 32, 48)

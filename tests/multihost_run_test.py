@@ -12,6 +12,7 @@ Marked ``multihost`` (README's test command runs this suite after the default on
 import json
 import os
 import re
+import shutil
 import signal
 import time
 
@@ -65,12 +66,16 @@ def _assert_same_metrics(a: str, b: str, run_ends=(), only_in_a=(), a_up_to=None
 
 
 def test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics(tmp_path):
-  steps = 8
-  reference = _run(tmp_path, "one", 1, 4, steps=steps)
+  """fusion.mode=full with the KL reference (the policy's and the reference's params rest in host memory
+  while generating; the reference is checkpointed and restored): 2 processes equal 1, also after process 1
+  is killed and the same two commands resume. (Synchronous colocated runs across processes: the StaleSync
+  tests below run colocated; the other modes: test_deployment_modes_across_processes_equal_one_process.)"""
+  steps, extra = 6, ["--config.fusion.mode=full"]
+  reference = _run(tmp_path, "one", 1, 4, variant=":kl", steps=steps, extra=extra)
 
   # Two processes; process 1 is killed once step 3 is recorded (after the checkpoint of step 2).
   workdir = str(tmp_path / "two")
-  args = _args(workdir, steps=steps)
+  args = _args(workdir, variant=":kl", steps=steps, extra=extra)
   run = launch.start("grpo_main.py", args, processes=2, devices=2, log_dir=str(tmp_path / "two_logs"))
   metrics = os.path.join(workdir, "metrics.jsonl")
   deadline = time.monotonic() + RUN_TIMEOUT
@@ -104,7 +109,8 @@ def test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics(tm
   assert "all" in groups and "all@p1" in groups, groups
 
 
-# The StaleSync tests share one 1-process reference run (a module fixture): one worker runs both.
+# The StaleSync tests share one 1-process reference run and one 2-process run stopped by SIGTERM (module
+# fixtures): one worker runs both.
 _STALESYNC_STEPS = 6
 stalesync_group = pytest.mark.xdist_group("multihost_run_test.py::stalesync")
 
@@ -115,50 +121,77 @@ def stalesync_one(tmp_path_factory) -> str:
   return _run(tmp_path_factory.mktemp("stalesync"), "one", 1, 4, variant=":stalesync", steps=_STALESYNC_STEPS)
 
 
-@stalesync_group
-def test_stalesync_across_processes_equals_one_process_also_resumed_on_another_count(tmp_path, stalesync_one):
-  """StaleSync (s = 1, half the groups per update): each process feeds its devices' rows from its own
-  queue replica; the run's queue counters are the processes' sums, equal to one process reading all.
-  The 2-process run stops after its checkpoint at step 2 and continues as 1 process x 4 devices from it
-  (queue, in-flight samples and counters restored) to step 4: still equal."""
-  two = _run(tmp_path, "two", 2, 2, variant=":stalesync", steps=2)
-  _run(tmp_path, "two", 1, 4, variant=":stalesync", steps=4)
-  _assert_same_metrics(stalesync_one, two, run_ends=(2, 4), a_up_to=4)
-  assert _metrics(two)[-1]["queue/bytes_read_tokens"] > 0
-
-
-@stalesync_group
-def test_sigterm_to_one_process_stops_both_after_the_same_step_and_they_resume_to_the_same_metrics(
-    tmp_path, stalesync_one):
-  """StaleSync across 2 processes; only process 1 gets SIGTERM. The processes agree on the step (each step
-  they exchange whether one was signalled), both take part in that step's checkpoint and exit with 75;
-  the same two commands resume, equal to one process run straight through."""
-  steps = _STALESYNC_STEPS
+@pytest.fixture(scope="module")
+def stalesync_stopped(tmp_path_factory) -> dict:
+  """StaleSync across 2 processes; only process 1 gets SIGTERM once step 2 is recorded. Returns the run's
+  exit codes, logs and args, its workdir (resumed by one test) and a copy of that workdir as the run
+  left it (resumed on another process count by the other)."""
+  tmp_path = tmp_path_factory.mktemp("stalesync_stopped")
   workdir = str(tmp_path / "two")
-  args = _args(workdir, variant=":stalesync", steps=steps)
+  args = _args(workdir, variant=":stalesync", steps=_STALESYNC_STEPS)
   run = launch.start("grpo_main.py", args, processes=2, devices=2, log_dir=str(tmp_path / "two_logs"))
   metrics = os.path.join(workdir, "metrics.jsonl")
   run.wait_for(lambda: os.path.exists(metrics) and sum(1 for l in open(metrics) if l.strip()) >= 3,
                RUN_TIMEOUT, "step 2 recorded", interval=0.002)
   run.signal(signal.SIGTERM, 1)
   codes = run.wait(RUN_TIMEOUT)
-  logs = [run.log(i) for i in range(2)]
+  copy = str(tmp_path / "copy")
+  shutil.copytree(workdir, copy)
+  return {"codes": codes, "logs": [run.log(i) for i in range(2)], "args": args, "workdir": workdir,
+          "copy": copy, "tmp_path": tmp_path}
+
+
+def _stop_step(stopped: dict) -> int:
+  """The step the SIGTERM stopped both processes after (checked: exit 75 and the same step on both)."""
+  codes, logs = stopped["codes"], stopped["logs"]
   assert codes == [75, 75], (codes, [l[-3000:] for l in logs])
   stops = [re.search(r"preempted: stopped by SIGTERM after RL step (\d+); checkpoint (\S+) written", l)
            for l in logs]
   assert all(stops), [l[-2000:] for l in logs]
   step = int(stops[0].group(1))
-  assert int(stops[1].group(1)) == step and 2 <= step < steps
+  assert int(stops[1].group(1)) == step and 2 <= step < _STALESYNC_STEPS
+  return step
+
+
+@stalesync_group
+def test_stalesync_across_processes_equals_one_process_also_resumed_on_another_count(
+    tmp_path, stalesync_one, stalesync_stopped):
+  """StaleSync (s = 1, half the groups per update): each process feeds its devices' rows from its own
+  queue replica; the run's queue counters are the processes' sums, equal to one process reading all.
+  The 2-process run, stopped after the checkpoint of step 2 or later (SIGTERM), continues as 1 process x
+  4 devices from it (queue, in-flight samples and counters restored) to the end: still equal."""
+  step = _stop_step(stalesync_stopped)
+  workdir = stalesync_stopped["copy"]
+  assert max(r["step"] for r in _metrics(workdir)) == step
+  run = launch.start("grpo_main.py", _args(workdir, variant=":stalesync", steps=_STALESYNC_STEPS),
+                     processes=1, devices=4, log_dir=str(tmp_path / "one_logs"))
+  assert run.wait(RUN_TIMEOUT) == [0], run.log(0)[-3000:]
+  assert "resumed from rl checkpoint" in run.log(0)
+  _assert_same_metrics(stalesync_one, workdir)
+  assert _metrics(workdir)[-1]["queue/bytes_read_tokens"] > 0
+
+
+@stalesync_group
+def test_sigterm_to_one_process_stops_both_after_the_same_step_and_they_resume_to_the_same_metrics(
+    stalesync_one, stalesync_stopped):
+  """StaleSync across 2 processes; only process 1 gets SIGTERM. The processes agree on the step (each step
+  they exchange whether one was signalled), both take part in that step's checkpoint and exit with 75;
+  the same two commands resume, equal to one process run straight through."""
+  step = _stop_step(stalesync_stopped)
+  workdir, tmp_path = stalesync_stopped["workdir"], stalesync_stopped["tmp_path"]
+  metrics = os.path.join(workdir, "metrics.jsonl")
   assert os.path.isdir(os.path.join(workdir, "checkpoints", str(step)))
   assert max(json.loads(l)["step"] for l in open(metrics) if l.strip()) == step
-  run = launch.start("grpo_main.py", args, processes=2, devices=2, log_dir=str(tmp_path / "resume_logs"))
+  run = launch.start("grpo_main.py", stalesync_stopped["args"], processes=2, devices=2,
+                     log_dir=str(tmp_path / "resume_logs"))
   assert run.wait(RUN_TIMEOUT) == [0, 0], "\n".join(run.log(i)[-3000:] for i in range(2))
   _assert_same_metrics(stalesync_one, workdir)
 
 
-@pytest.mark.parametrize("mode", ["full", "separated", "hybrid"])
+@pytest.mark.parametrize("mode", ["separated", "hybrid"])
 def test_deployment_modes_across_processes_equal_one_process(tmp_path, mode):
-  """Every sub-mesh takes the same share of each process's devices (hybrid: one aux device each)."""
+  """Every sub-mesh takes the same share of each process's devices (hybrid: one aux device each).
+  (fusion.mode=full: test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics.)"""
   extra = [f"--config.fusion.mode={mode}"] + (["--config.fusion.aux_devices=2"] if mode == "hybrid" else [])
   one = _run(tmp_path, "one", 1, 4, variant=":kl", steps=2, extra=extra)
   two = _run(tmp_path, "two", 2, 2, variant=":kl", steps=2, extra=extra)

@@ -30,7 +30,9 @@ def test_grpo_main_runs_two_steps(tmp_path, variant):
          "--config=" + os.path.join(ROOT, "experiments", "configs", "arithmetic.py") + variant,
          f"--workdir={workdir}", "--config.run.steps=2", "--config.warmup.steps=2",
          "--config.task.eval_problems=16", f"--compilation_cache={launch.TEST_CACHE}",
-         *(LEARNS if not variant else [])]
+         # Sampled evaluation (pass@k, the main job's task.eval_samples=8) in the main job's run; the MoE run
+         # evaluates greedily only: its sampling is the rollout's, every RL step.
+         *(LEARNS if not variant else ["--config.task.eval_samples=0"])]
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-4000:]
   assert "accuracy before RL" in proc.stdout
@@ -41,6 +43,7 @@ def test_grpo_main_runs_two_steps(tmp_path, variant):
   evals = [l for l in lines if "eval/accuracy" in l]
   assert (evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]) == (summary["accuracy_before"],
                                                                       summary["accuracy_after"])
+  assert ("pass@8" in summary["eval_after"]) == (not variant)
   if not variant:      # the update moved the policy the way its advantages point
     for l in rl:
       assert l["advantage_abs_mean"] > 0, l

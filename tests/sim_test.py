@@ -33,8 +33,9 @@ COUNTS = ("decode_steps", "decode_chunks", "prefill_calls", "refill_prefills", "
 
 
 @functools.lru_cache(maxsize=None)
-def _setup():
-  mesh = make_mesh(MeshConfig(data=-1))
+def _setup(data: int = -1, tensor: int = 1):
+  devices = jax.devices()[:data * tensor] if data > 0 else None
+  mesh = make_mesh(MeshConfig(data=data, tensor=tensor), devices)
   shardings = param_shardings(models.abstract_params(CFG), models.param_logical_axes(CFG), mesh, TRAIN_RULES)
   return mesh, shardings, jax.device_put(models.init_params(CFG, jax.random.key(0)), shardings)
 
@@ -47,18 +48,23 @@ def test_sim_imports_no_jax():
   assert result.returncode == 0, result.stderr
 
 
-def test_engine_replay_counts_what_the_engine_does():
-  # The real engine (16 slots over the 8 devices, chunks of 4, prefill calls of 8 rows, groups of 2) and
-  # the replay get the same requests and the same sequence of runs: a partial run with a group target,
-  # one that must also finish named groups, and one that drains everything. Every count and every
-  # returned group must agree.
-  mesh, shardings, params = _setup()
+@pytest.mark.parametrize("group_size,data,tensor,unique_rows", [(2, 8, 1, 8), (4, 2, 2, 4)])
+def test_engine_replay_counts_what_the_engine_does(group_size, data, tensor, unique_rows):
+  # The real engine (16 slots, chunks of 4, prefill calls of 8 rows) and the replay get the same requests
+  # and the same sequence of runs: a partial run with a group target, one that must also finish named
+  # groups, and one that drains everything. Every count and every returned group must agree. Groups of 2
+  # over 8 batch shards: a refill's forward runs on all 8 rows (ceil(7 / 2) + 1 = 5 distinct prompts at
+  # most, rounded up to the shards); groups of 4 over 2 shards (a 2 x 2 mesh): on ceil(7 / 4) + 1 = 3 -> 4 rows, one per
+  # distinct prompt, and a refill admits only the requests whose prompts fit.
+  mesh, shardings, params = _setup(data, tensor)
   spec = GenerateSpec(CFG, SamplingParams(1.0), 4, 16, eos_id=0)
-  engine = Engine(EngineConfig(spec, num_slots=16, chunk_steps=4, prefill_rows=8, group_size=2), mesh, shardings)
-  sim = SimEngine(num_slots=16, group_size=2, chunk_steps=4, prefill_rows=8,
+  engine = Engine(EngineConfig(spec, num_slots=16, chunk_steps=4, prefill_rows=8, group_size=group_size), mesh,
+                  shardings)
+  sim = SimEngine(num_slots=16, group_size=group_size, chunk_steps=4, prefill_rows=8, batch_shards=data,
                   widths=slots.prefill_widths(4, 20), max_prompt_len=4)
+  assert engine.programs.unique_rows == sim.unique_rows == unique_rows
   forced = rollout_workload.long_tail_lengths(np.random.default_rng(1), 160, median=3, sigma=0.9, max_len=16).tolist()
-  real = rollout_workload.make_requests(np.random.default_rng(0), forced, group_size=2, prompt_len=4,
+  real = rollout_workload.make_requests(np.random.default_rng(0), forced, group_size=group_size, prompt_len=4,
                                         vocab_size=64)
   engine.add(real)
   sim.add([SimRequest(r.sample_id, r.group_id, 4, r.forced_len) for r in real])

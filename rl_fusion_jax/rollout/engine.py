@@ -17,7 +17,8 @@ met or nothing is left. A chunk is one dispatch and one fetch: the first ``num_s
 are uploaded with the target (per tracked group, how many samples it still needs); on the device, before
 every decode step, the finished samples move to an outbox and free slots refill from the upload once
 ``min(prefill_rows, requests left)`` are free (``refill='static'``: only when every slot is free, the
-batch-at-a-time baseline), and the chunk ends after ``chunk_steps`` steps, at the step that meets the
+batch-at-a-time baseline; the samples of a group share one forward of their prompt, ``slots.shared_prompts``),
+and the chunk ends after ``chunk_steps`` steps, at the step that meets the
 target, when nothing is left, or when the upload is spent and a refill is due. The host then fetches each
 slot's done flag, response length and sample id, the outbox's sample ids and the counters (3 x S + O + 8
 numbers). The finished rows themselves are read after the next chunk is dispatched, so that transfer
@@ -166,7 +167,7 @@ class Engine:
     self.cfg, self.rows = cfg, rows
     leaves, treedef = jax.tree.flatten(param_shardings)
     self.programs = slots.programs(cfg.spec, cfg.num_slots, rows, mesh, treedef, tuple(leaves), rules,
-                                   cfg.refill == "static")
+                                   cfg.refill == "static", cfg.group_size)
     self._rng = jax.random.key(cfg.seed)
     self._state = self.programs.empty()
     self._shards = shards
@@ -532,11 +533,14 @@ class Engine:
     rows, width, big = self.programs.pending_rows, self.cfg.spec.max_prompt_len, np.iinfo(np.int32).max
     prompt_qp = np.zeros((rows, width), np.int32)
     column = lambda fn: np.asarray([fn(r) for r in pending] + [0] * (rows - len(pending)), np.int32)
+    first: dict = {}
+    source_q = np.arange(rows, dtype=np.int32)
     for i, r in enumerate(pending):
       prompt_qp[i, :len(r.prompt)] = r.prompt
+      source_q[i] = first.setdefault((r.group_id, r.prompt), i)
     pend = slots.Pending(prompt_qp=prompt_qp, prompt_len_q=column(lambda r: len(r.prompt)),
                          sample_id_q=column(lambda r: r.sample_id), forced_len_q=column(lambda r: r.forced_len or 0),
-                         group_q=column(lambda r: index[r.group_id]), count=np.int32(len(pending)))
+                         group_q=column(lambda r: index[r.group_id]), source_q=source_q, count=np.int32(len(pending)))
     awaited_g = np.zeros((self.programs.num_groups,), bool)
     need_groups, need_samples, blocked = 0, 0, False
     if target is not None and target.kind == "samples":

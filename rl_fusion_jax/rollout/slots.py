@@ -36,7 +36,7 @@ from rl_fusion_jax import models
 from rl_fusion_jax.rollout import decode as decode_lib
 # SlotState and empty_slots are part of this module's interface (the engine reads slots.SlotState).
 from rl_fusion_jax.rollout.decode import GenerateSpec, SlotState, empty_slots
-from rl_fusion_jax.sharding.mesh import batch_sharding, replicated
+from rl_fusion_jax.sharding.mesh import batch_sharding, batch_shards, replicated
 from rl_fusion_jax.sharding.expert_parallel import with_expert_parallel
 from rl_fusion_jax.sharding.rules import GENERATE_RULES, Rules, cache_sharding
 
@@ -51,23 +51,57 @@ def _admit(state: SlotState, dest_r, prompt_rp, prompt_len_r, sample_id_r, force
 
 
 def prefill(spec: GenerateSpec, width: int, params, cache, state: SlotState, slot_r, is_new_r, prompt_rp,
-            prompt_len_r, sample_id_r, forced_len_r):
+            prompt_len_r, sample_id_r, forced_len_r, lead_u=None, from_r=None):
   """Admits the rows with ``is_new_r`` and rebuilds the KV of every row's prefix in slots ``slot_r``.
 
   A row's prefix is its prompt plus response so far; the KV of all but its newest token is needed (decode
   processes the newest one), and ``width`` must cover that. Positions past a row's prefix write pad KV,
   which is harmless: decode overwrites position p before any token attends to it.
+
+  ``lead_u`` / ``from_r`` (a refill whose rows share prompts, ``shared_prompts``): the forward runs only on
+  the U slots ``lead_u`` (S: an unused row) and row r's slot gets the KV of ``lead_u[from_r[r]]``, whose
+  prefix equals its own.
   """
   num_slots = state.done_s.shape[0]
   state = _admit(state, jnp.where(is_new_r, slot_r, num_slots), prompt_rp, prompt_len_r, sample_id_r,
                  forced_len_r)
-  tokens_rw = state.tokens_st.at[slot_r, :width].get(mode="fill", fill_value=0)
+  source = slot_r if lead_u is None else lead_u
+  tokens_rw = state.tokens_st.at[source, :width].get(mode="fill", fill_value=0)
   positions_rw = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens_rw.shape)
   rows_cache = models.init_cache(spec.model, tokens_rw.shape[0], width, dtype=cache["k"].dtype)
   # The logits are unused, so XLA drops the LM head from this program.
   _, rows_cache = models.forward_with_cache(spec.model, params, tokens_rw, positions_rw, rows_cache)
+  if from_r is not None:
+    rows_cache = {name: kv[:, from_r] for name, kv in rows_cache.items()}
   cache = {name: cache[name].at[:, slot_r, :, :width].set(rows_cache[name], mode="drop") for name in cache}
   return state, cache
+
+
+def shared_prompt_rows(rows: int, group_size: int, shards: int) -> int:
+  """Rows a refill's forward runs on when the samples of a group share their prompt's KV: ``rows``
+  consecutive queued requests of groups of ``group_size`` (queued whole, one after the other) hold at most
+  ``ceil((rows - 1) / group_size) + 1`` distinct prompts; rounded up to the batch shards. ``rows`` (no
+  sharing) when that saves nothing."""
+  if group_size <= 1:
+    return rows
+  unique = -(-(rows - 1) // group_size) + 1
+  return min(rows, -(-unique // shards) * shards)
+
+
+def shared_prompts(source_r, k, unique: int):
+  """Which rows of a refill share a forward: ``source_r`` (each window row's first request with the same
+  prompt, ``Pending.source_q``), ``k`` rows admitted at most, ``unique`` forward rows -> (rows admitted:
+  the longest prefix of the ``k`` whose distinct prompts fit in ``unique``, each distinct prompt's first
+  row as its leader; ``lead_r``: the row is a leader; ``from_r``: the index among the leaders of the row's
+  leader)."""
+  rows = source_r.shape[0]
+  in_r = jnp.arange(rows) < k
+  same_rr = (source_r[:, None] == source_r[None, :]) & in_r[None, :]
+  first_r = jnp.argmax(same_rr, axis=1)                  # the first row in the window with this prompt
+  lead_r = in_r & (first_r == jnp.arange(rows))
+  rank_r = jnp.cumsum(lead_r, dtype=jnp.int32) - 1       # leaders up to row r, minus one
+  admitted = jnp.sum(in_r & (rank_r < unique), dtype=jnp.int32)
+  return admitted, lead_r, rank_r[first_r]
 
 
 def pack_rows(state: SlotState):
@@ -82,12 +116,15 @@ def pack_rows(state: SlotState):
 @flax.struct.dataclass
 class Pending:
   """The head of the engine's queue, uploaded for one chunk: ``count`` requests in queue order (rows past
-  it are padding). ``group_q``: each request's group as an index into the chunk's group table."""
+  it are padding). ``group_q``: each request's group as an index into the chunk's group table.
+  ``source_q``: the index of the first request of the upload with the same group and prompt (itself if
+  none), so a refill computes a shared prompt's KV once (``shared_prompts``)."""
   prompt_qp: jax.Array
   prompt_len_q: jax.Array
   sample_id_q: jax.Array
   forced_len_q: jax.Array
   group_q: jax.Array
+  source_q: jax.Array
   count: jax.Array
 
 
@@ -136,15 +173,17 @@ def _move_done(c: _Carry) -> _Carry:
   return c.replace(outbox=outbox, out_n=c.out_n + jnp.sum(move_s, dtype=jnp.int32), live_s=c.live_s & ~move_s)
 
 
-def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, static: bool, row_shardings, params,
-              cache, state: SlotState, group_s, pending: Pending, target: ChunkTarget, steps, rng, version):
+def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique: int, static: bool, row_shardings,
+              params, cache, state: SlotState, group_s, pending: Pending, target: ChunkTarget, steps, rng, version):
   """At most ``steps`` decode steps with refill on the device -> (state, cache, finished rows, counters).
 
   Before every step, while the free slots (done ones) reach ``min(rows, requests left)`` (``static``:
   every slot free), the finished samples still in slots move to the outbox and the next ``rows``
   requests of ``pending`` are admitted to the lowest free slots and prefilled at the narrowest of
   ``new_widths`` that holds their prompts but the last token (every width in the one program, picked at
-  run time: one compile). The chunk ends after ``steps`` steps, once ``target`` is
+  run time: one compile). With ``unique < rows``, requests that share a prompt (a group's samples) share
+  its forward: a refill runs it on ``unique`` rows and admits the longest run of requests whose distinct
+  prompts fit (``shared_prompts``). The chunk ends after ``steps`` steps, once ``target`` is
   met, when nothing is left to decode or admit, or when the host must upload more requests. Finished
   samples are then all in the outbox, so every done slot is free. Returns (state, cache, the outbox packed
   by ``pack_finished`` ([W, C] bytes), its sample ids [O], number of outbox rows, the columns of the packed
@@ -166,11 +205,13 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, static
     c = _move_done(c)
     free_s = c.state.done_s
     k = jnp.minimum(jnp.minimum(rows, jnp.sum(free_s, dtype=jnp.int32)), left(c))
+    index_r = c.ptr + jnp.arange(rows, dtype=jnp.int32)
+    take = lambda x: x.at[index_r].get(mode="fill", fill_value=0)
+    if unique < rows:
+      k, lead_r, from_r = shared_prompts(take(pending.source_q), k, unique)
     rank_s = jnp.cumsum(free_s, dtype=jnp.int32) - 1
     dest_r = jnp.full((rows,), num_slots, jnp.int32).at[jnp.where(free_s & (rank_s < k), rank_s, rows)].set(
         jnp.arange(num_slots, dtype=jnp.int32), mode="drop")
-    index_r = c.ptr + jnp.arange(rows, dtype=jnp.int32)
-    take = lambda x: x.at[index_r].get(mode="fill", fill_value=0)
     valid_r = jnp.arange(rows) < k
     prompt_len_r = take(pending.prompt_len_q)
     # The narrowest of ``new_widths`` that holds every admitted prompt but its last token.
@@ -183,11 +224,17 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, static
     operands = (params, c.cache, c.state, rows_1(dest_r), rows_1(valid_r),
                 jax.lax.with_sharding_constraint(take(pending.prompt_qp), b2), rows_1(prompt_len_r),
                 rows_1(take(pending.sample_id_q)), rows_1(take(pending.forced_len_q)))
+    forward_rows = rows
+    if unique < rows:   # each distinct prompt's first row (its slot) leads; U rows split like the others
+      lead_u = jnp.full((unique,), num_slots, jnp.int32).at[jnp.where(lead_r & valid_r, from_r, unique)].set(
+          dest_r, mode="drop")
+      operands += (rows_1(lead_u), rows_1(from_r))
+      forward_rows = unique
     new_state, new_cache = jax.lax.switch(branch, [functools.partial(prefill, spec, w) for w in new_widths],
                                           *operands)
     width = jnp.asarray(new_widths, jnp.int32)[branch]
     return c.replace(state=new_state, cache=new_cache, ptr=c.ptr + k, refills=c.refills + 1, filling=True,
-                     refill_tokens=c.refill_tokens + rows * width,
+                     refill_tokens=c.refill_tokens + forward_rows * width,
                      group_s=c.group_s.at[dest_r].set(take(pending.group_q), mode="drop"),
                      live_s=c.live_s.at[dest_r].set(True, mode="drop"))
 
@@ -353,8 +400,10 @@ class SlotPrograms:
   """
 
   def __init__(self, spec: GenerateSpec, num_slots: int, rows: int, mesh: Mesh, param_shardings,
-               rules: Rules = GENERATE_RULES, static: bool = False):
+               rules: Rules = GENERATE_RULES, static: bool = False, group_size: int = 1):
     self.rows = rows
+    # Rows a refill's forward runs on: a group's samples share their prompt's KV.
+    self.unique_rows = shared_prompt_rows(rows, group_size, batch_shards(mesh))
     b1, b2, rep = batch_sharding(mesh, 1), batch_sharding(mesh, 2), replicated(mesh)
     self.cache_sharding = cache_sharding(spec.model, mesh, rules)
     # An MoE policy's routed experts run expert-parallel in the generation layout (sharding/expert_parallel).
@@ -374,7 +423,8 @@ class SlotPrograms:
     self.pending_rows = num_slots
     self.num_groups = 2 * num_slots
     self.chunk = jax.jit(
-        ep(functools.partial(run_chunk, spec, self.new_widths, rows, static, (b1, b2))), donate_argnums=(1, 2),
+        ep(functools.partial(run_chunk, spec, self.new_widths, rows, self.unique_rows, static, (b1, b2))),
+        donate_argnums=(1, 2),
         in_shardings=(param_shardings, cache_sh, state_sh, b1, rep, rep, rep, rep, rep),
         out_shardings=(state_sh, cache_sh) + (rep,) * 9)
     self.take_block = {size: jax.jit(functools.partial(take_block, size=size), out_shardings=rep)
@@ -387,6 +437,7 @@ class SlotPrograms:
 
 @functools.lru_cache(maxsize=16)
 def programs(spec, num_slots, rows, mesh, treedef, sharding_leaves, rules: Rules = GENERATE_RULES,
-             static: bool = False) -> SlotPrograms:
+             static: bool = False, group_size: int = 1) -> SlotPrograms:
   """Shared by every engine with equal arguments (all hashable), so a new engine compiles nothing."""
-  return SlotPrograms(spec, num_slots, rows, mesh, jax.tree.unflatten(treedef, sharding_leaves), rules, static)
+  return SlotPrograms(spec, num_slots, rows, mesh, jax.tree.unflatten(treedef, sharding_leaves), rules, static,
+                      group_size)

@@ -6,7 +6,9 @@ start of a run one host prefill call per ``prefill_rows`` in-flight samples reco
 (unless the cache is kept); then chunks of at most ``chunk_steps`` decode steps, each with the queue's
 first ``num_slots`` requests uploaded, where before every step, while the free slots reach
 ``min(prefill_rows, requests left)``, the finished samples move out (slot order) and the next
-``prefill_rows`` requests fill the lowest free slots; a chunk ends once the target is met (complete
+``prefill_rows`` requests fill the lowest free slots (with ``group_size > 1`` as many of them as have at
+most ``unique_rows`` distinct groups: a group's samples share one prompt forward, as the engine's refill
+shares one per distinct prompt); a chunk ends once the target is met (complete
 groups, every group in ``finish_groups``), when nothing is left, or when the upload is spent and a refill
 is due. Each sample's response length is known up front instead of sampled. As in the real engine every
 slot advances in lockstep (one SPMD program over all generation replicas). It counts what a phase's
@@ -71,6 +73,10 @@ class SimEngine:
     self.num_slots, self.group_size, self.chunk_steps = num_slots, group_size, chunk_steps
     # Engine: prefill_rows or a quarter of the slots rounded up to the batch shards.
     self.rows = prefill_rows or -(-max(1, num_slots // 4) // batch_shards) * batch_shards
+    # slots.shared_prompt_rows: a refill's forward runs on this many rows, one per distinct prompt (a
+    # group's samples share theirs).
+    unique = -(-(self.rows - 1) // group_size) + 1 if group_size > 1 else self.rows
+    self.unique_rows = min(self.rows, -(-unique // batch_shards) * batch_shards)
     self.widths, self.keep_cache = widths, keep_cache
     if widths is not None:   # slots.SlotPrograms.new_widths
       last = _width(widths, max_prompt_len - 1)
@@ -216,6 +222,9 @@ class SimEngine:
     self._move_done()
     free = np.flatnonzero(self.slot_id < 0)
     k = min(self.rows, len(free), len(pending) - self.ptr)
+    if self.unique_rows < self.rows:   # slots.shared_prompts: the longest run whose groups fit
+      groups = list(dict.fromkeys(r.group_id for r in pending[self.ptr:self.ptr + k]))[:self.unique_rows]
+      k = next((i for i, r in enumerate(pending[self.ptr:self.ptr + k]) if r.group_id not in groups), k)
     admitted = pending[self.ptr:self.ptr + k]
     for s, r in zip(free[:k], admitted):
       self.slot_id[s], self.slot_group[s], self.slot_prompt[s], self.slot_len[s] = (
@@ -225,8 +234,12 @@ class SimEngine:
     counts.refill_prefills += 1
     counts.prefill_rows += k
     need = max(r.prompt_len for r in admitted) - 1
-    counts.prefill_tokens += (self.rows * _width(self.new_widths, need) if self.widths is not None
-                              else sum(r.prompt_len for r in admitted))
+    if self.widths is not None:
+      counts.prefill_tokens += self.unique_rows * _width(self.new_widths, need)
+    elif self.unique_rows < self.rows:   # one forward per distinct prompt
+      counts.prefill_tokens += sum({r.group_id: r.prompt_len for r in admitted}.values())
+    else:
+      counts.prefill_tokens += sum(r.prompt_len for r in admitted)
 
   def _decode_step(self, version: int, counts: PhaseCounts) -> None:
     active = np.flatnonzero((self.slot_id >= 0) & (self.slot_gen < self.slot_len))

@@ -123,7 +123,7 @@ def decode_memory(cfg: models.ModelConfig, mesh: Mesh, slots: int, prompt_len: i
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)
   flag = jax.ShapeDtypeStruct((), jnp.bool_, sharding=rep)
   pending = slots_lib.Pending(prompt_qp=i32(q, prompt_len), prompt_len_q=i32(q), sample_id_q=i32(q),
-                              forced_len_q=i32(q), group_q=i32(q), count=i32())
+                              forced_len_q=i32(q), group_q=i32(q), source_q=i32(q), count=i32())
   target = slots_lib.ChunkTarget(remaining_g=i32(g), awaited_g=jax.ShapeDtypeStruct((g,), jnp.bool_, sharding=rep),
                                  need_groups=i32(), need_samples=i32(), blocked=flag, armed=flag, more_queued=flag)
   group_s = jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=programs.state_shardings.done_s)

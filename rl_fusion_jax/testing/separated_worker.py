@@ -41,28 +41,6 @@ def parse(argv) -> dict:
   return opts
 
 
-def write_cache_from_every_process() -> None:
-  """Lets this process write persistent compilation-cache entries (test speed only).
-
-  JAX writes them from process 0 alone, since the processes of one SPMD program compile the same thing.
-  Here each process compiles its own side's programs, so without this the training process would
-  recompile its warm-up and update in every run (~50 s on 2 cores). Private JAX API: a no-op if it moved.
-  """
-  from jax._src import compiler, distributed
-  original = getattr(compiler, "_cache_write", None)
-  if original is None or not hasattr(distributed.global_state, "process_id"):
-    return
-
-  def write(*args, **kwargs):
-    state = distributed.global_state
-    saved, state.process_id = state.process_id, 0
-    try:
-      return original(*args, **kwargs)
-    finally:
-      state.process_id = saved
-  compiler._cache_write = write
-
-
 def main(port: int, process: str, workdir: str, opts: dict) -> None:
   import jax
   from rl_fusion_jax.testing import launch  # pylint: disable=g-import-not-at-top
@@ -73,10 +51,13 @@ def main(port: int, process: str, workdir: str, opts: dict) -> None:
     from rl_fusion_jax.orchestration import loop
     summary = loop.run(experiment(opts, sync=True), workdir)
   else:
+    from rl_fusion_jax import distributed
     from rl_fusion_jax.distributed import DistributedConfig
     from rl_fusion_jax.orchestration import separated
     separated.initialize(DistributedConfig(f"127.0.0.1:{port}", 2, int(process)), opts["transport"])
-    write_cache_from_every_process()
+    # Each side compiles its own programs: without this the training process would recompile its
+    # warm-up and update in every run (~50 s on 2 cores).
+    distributed.cache_from_every_process()
     options = separated.Options(reproducible=opts["schedule"] == "reproducible",
                                 weight_transport=opts["transport"], timeout_s=180.0)
     summary = separated.run(experiment(opts), workdir, options)
