@@ -17,8 +17,8 @@ met or nothing is left. A chunk is one dispatch and one fetch: the first ``num_s
 are uploaded with the target (per tracked group, how many samples it still needs); on the device, before
 every decode step, the finished samples move to an outbox and free slots refill from the upload once
 ``min(prefill_rows, requests left)`` are free (``refill='static'``: only when every slot is free, the
-batch-at-a-time baseline; the samples of a group share one forward of their prompt, ``slots.shared_prompts``),
-and the chunk ends after ``chunk_steps`` steps, at the step that meets the
+batch-at-a-time baseline), the samples of a group sharing one forward of their prompt
+(``slots.shared_prompts``), and the chunk ends after ``chunk_steps`` steps, at the step that meets the
 target, when nothing is left, or when the upload is spent and a refill is due. The host then fetches each
 slot's done flag, response length and sample id, the outbox's sample ids and the counters (3 x S + O + 8
 numbers). The finished rows themselves are read after the next chunk is dispatched, so that transfer
