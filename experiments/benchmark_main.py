@@ -7,12 +7,16 @@ host scoring, reference log-probs, batch assembly), plus the first step's time (
 persistent compilation cache makes later runs' first step fast), the wall time of every step, the first
 included (`run_steps_s`), and the programs compiled after the first step and their seconds
 (`compiles_after_first_step`, `compile_s_after_first_step`: a step that meets a new shape); with
---turn_steps, `run_steps_s` includes the other side's turns.
+--turn_steps, `run_steps_s` includes the other side's turns. `generate_cores` and `train_cores`: the
+phase's process CPU seconds (every thread: the host loop and XLA's pools) per wall second, medians over
+the measured steps: how many of the machine's cores the phase keeps busy (compare the thread counts of
+the simulator's processor-sharing model, `sim/costs.py::Sharing`).
 
 With --turn_steps=N the binary takes turns with another process (experiments/turns.py, driven by
 experiments/benchmark_vs_trl.py): it ends a turn after the warm-up and after every N measured steps,
 reporting those steps' seconds, and waits on stdin before going on.
 """
+import contextlib
 import json
 import statistics
 import time
@@ -50,6 +54,27 @@ def maybe_end_turn(done: int, rows: list[dict]) -> None:
     turns.end_turn({"steps": [{k: r[k] for k in TURN_KEYS if k in r} for r in block]})
 
 
+def cpu_timeline():
+  """A Timeline that also records each stepped phase's process CPU seconds and wall seconds
+  (``.cpu[(name, step)]``)."""
+  from rl_fusion_jax.timeline import Timeline  # pylint: disable=g-import-not-at-top
+
+  class CpuTimeline(Timeline):
+    def __init__(self):
+      super().__init__()
+      self.cpu = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str, *, group: str = "all", step: int | None = None):
+      c0, w0 = time.process_time(), time.perf_counter()
+      with super().phase(name, group=group, step=step):
+        yield
+      if step is not None:
+        self.cpu[name, step] = (time.process_time() - c0, time.perf_counter() - w0)
+
+  return CpuTimeline()
+
+
 def model_flops(cfg, response_len_mean: float) -> dict[str, float]:
   """Matmul FLOPs per step (2 per multiply-add; training = 3x forward), attention excluded.
 
@@ -76,7 +101,6 @@ def main(argv):
   from rl_fusion_jax import distributed
   from rl_fusion_jax.orchestration import phases, processes, setup as setup_lib
   from rl_fusion_jax.orchestration.programs import Programs
-  from rl_fusion_jax.timeline import Timeline
   from rl_fusion_jax.train import state as state_lib
 
   setup = setup_lib.validate(cfg, jax.device_count())
@@ -89,7 +113,7 @@ def main(argv):
                                       keep_source=True) if cfg.algo.needs_reference else None
   state = state_lib.create_train_state(params, programs.tx, programs.state_shardings)
   programs.deployment.publish(state.params)
-  timeline = Timeline()
+  timeline = cpu_timeline()
   for name, ids in programs.deployment.groups.items():
     timeline.add_group(name, ids)
   compiles = []    # (seconds) of every backend compile after the first step
@@ -119,6 +143,10 @@ def main(argv):
   med = lambda k: statistics.median(r[k] for r in rows)
   step_s, gen_s, train_s = med("step_s"), med("generate_s"), med("train_s")
   flops = model_flops(cfg, med("response_len_mean"))
+  measured = set(range(1 + _WARMUP.value, 1 + _WARMUP.value + _STEPS.value))
+  def cores(name: str):
+    per_step = [c / w for (n, k), (c, w) in timeline.cpu.items() if n == name and k in measured and w > 0]
+    return round(statistics.median(per_step), 2) if per_step else None
   out = {
       "config": cfg.model.config.model_type, "devices": jax.device_count(), "processes": jax.process_count(),
       "platform": jax.devices()[0].platform, "mesh": dict(mesh.shape), "steps": len(rows),
@@ -126,6 +154,7 @@ def main(argv):
       "compiles_after_first_step": len(compiles), "compile_s_after_first_step": round(sum(compiles), 3),
       "startup_s": round(t0 - t_start, 3),
       "generate_s": round(gen_s, 4), "train_s": round(train_s, 4),
+      "generate_cores": cores("generate"), "train_cores": cores("train"),
       "overhead_s": round(med("overhead_s"), 4),
       "reward_s": round(med("reward_s"), 4), "ref_s": round(med("ref_s"), 4),
       "generate_gflop_per_s": round(flops["generate"] / gen_s / 1e9, 1),

@@ -348,7 +348,11 @@ CAN_AND_CANNOT = [
     "(`fit.MEASURED_MACHINE`; 1 / 2 / 1 busy threads for generation / update / push), not a measurement, "
     "and the held-out "
     "errors of that deployment depend on it (table above); its thread counts were chosen after the "
-    "StaleSync residuals had been seen, though not fitted to them.",
+    "StaleSync residuals had been seen, though not fitted to them. Measured alone on one device "
+    "(`experiments/benchmark_main.py`'s `generate_cores` and `train_cores`: process CPU seconds per wall "
+    "second), generation keeps 1.35 cores busy on the long tail (1.22 on the arithmetic task from a random "
+    "init) and the update 1.70 (1.75): the count of 1 for generation is contradicted, and as thread counts "
+    "the measured figures give the row 1.35 / 1.7 / 1 of the table above, no closer overall.",
     "* Per-group rollout engines with their own queues: the replay is this codebase's one SPMD engine over "
     "all replicas. Table 2's tail barrier is the expected longest sample over all of a step's draws (the "
     "same as the slowest group's longest when every sample has a slot), and StaleSync's is a first-order "
