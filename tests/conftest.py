@@ -17,11 +17,17 @@ import os
 # same flags (`rl_fusion_jax/testing/launch.child_env`). Users' runs keep XLA's default.
 # `--xla_cpu_use_fusion_emitters=false` emits XLA:CPU's fusions with its older LLVM IR emitters instead of
 # the MLIR ones: a third less compile time (a fused-mode loop test, cold cache: 34 s -> 23 s of compiling).
+# `--xla_cpu_parallel_codegen_split_count=1` emits each program as one LLVM module instead of several compiled
+# on parallel threads: at this optimization level the split costs more than it saves, and the suite's
+# workers already keep both cores busy (the main job's RL update on 8 devices: 2.1-2.3 -> 1.7-1.9 CPU s
+# to compile; tests/multihost_run_test.py alone, cold: 345 CPU s before this flag and that file's one-layer
+# model, 215 s after).
 _FLAGS = os.environ.get("XLA_FLAGS", "")
 _TEST_FLAGS = {"--xla_force_host_platform_device_count": "8",
                "--xla_cpu_collective_call_terminate_timeout_seconds": "600",
                "--xla_backend_optimization_level": "0",
-               "--xla_cpu_use_fusion_emitters": "false"}
+               "--xla_cpu_use_fusion_emitters": "false",
+               "--xla_cpu_parallel_codegen_split_count": "1"}
 os.environ["XLA_FLAGS"] = " ".join(
     [_FLAGS] + [f"{k}={v}" for k, v in _TEST_FLAGS.items()
                 if k == "--xla_force_host_platform_device_count" or k not in _FLAGS]).strip()
@@ -112,10 +118,10 @@ def pytest_terminal_summary(terminalreporter, config):
 # alone at the end.
 # ----------------------------------------------------------------------------------------------------
 _SPREAD = ("multihost_run_test.py", "preemption_test.py", "pulse_test.py", "report_test.py")
-_LONGEST_FIRST = ("multihost_run_test.py", "report_test.py", "ppo_test.py", "preemption_test.py",
-                  "resume_test.py", "loop_test.py", "separated_test.py", "stalesync_test.py",
-                  "moe_loop_test.py", "fusion_test.py", "pipeline_test.py", "pulse_test.py",
-                  "compile_once_test.py", "train_step_test.py", "aot_memory_test.py", "engine_test.py")
+_LONGEST_FIRST = ("multihost_run_test.py", "report_test.py", "ppo_test.py", "pulse_test.py", "preemption_test.py",
+                  "resume_test.py", "separated_test.py", "stalesync_test.py", "loop_test.py",
+                  "compile_once_test.py", "fusion_test.py", "moe_loop_test.py", "train_step_test.py",
+                  "pipeline_test.py", "aot_memory_test.py", "reshard_test.py", "engine_test.py")
 
 
 def pytest_xdist_auto_num_workers(config):

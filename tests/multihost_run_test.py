@@ -24,10 +24,11 @@ pytestmark = pytest.mark.multihost
 
 CONFIG = os.path.join(launch.ROOT, "experiments", "configs", "arithmetic.py")
 CACHE = launch.TEST_CACHE
-# The main job's config, a few steps: 8 warm-up steps, 16 held-out problems, a checkpoint every 2 steps.
+# The main job's config with one layer (less to compile), a few steps: 8 warm-up steps, 16
+# held-out problems, a checkpoint every 2 steps.
 QUICK = ["--config.warmup.steps=8", "--config.warmup.checkpoint_every=0", "--config.task.eval_problems=16",
          "--config.task.eval_samples=0", "--config.run.eval_every=0", "--config.run.checkpoint_every=2",
-         f"--compilation_cache={CACHE}"]
+         "--config.model.num_layers=1", "--config.model.scan_unroll=1", f"--compilation_cache={CACHE}"]
 RUN_TIMEOUT = 300
 
 

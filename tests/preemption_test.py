@@ -34,7 +34,8 @@ from rl_fusion_jax.testing.experiments import tiny
 CONFIG = os.path.join(launch.ROOT, "experiments", "configs", "arithmetic.py")
 CACHE = launch.TEST_CACHE
 STEPS = 6
-TINY = ["--config.model.hidden_size=32", "--config.model.num_layers=2", "--config.model.num_heads=4",
+TINY = ["--config.model.hidden_size=32", "--config.model.num_layers=1", "--config.model.scan_unroll=1",
+        "--config.model.num_heads=4",
         "--config.model.num_kv_heads=2", "--config.model.intermediate_size=64", "--config.task.eval_problems=16",
         "--config.rollout.num_prompts=4", "--config.rollout.group_size=4", "--config.warmup.steps=6",
         "--config.warmup.batch_size=16", "--config.warmup.checkpoint_every=0", "--config.run.checkpoint_every=0",

@@ -350,7 +350,8 @@ def test_warmup_is_checkpointed_and_a_resume_continues_it(tmp_path, monkeypatch)
 # SIGKILL at a random point of the real binary, then resume.
 # ----------------------------------------------------------------------------------------------------
 
-BINARY_FLAGS = ["--config.model.hidden_size=32", "--config.model.num_layers=2", "--config.model.num_heads=4",
+BINARY_FLAGS = ["--config.model.hidden_size=32", "--config.model.num_layers=1", "--config.model.scan_unroll=1",
+                "--config.model.num_heads=4",
                 "--config.model.num_kv_heads=2", "--config.model.intermediate_size=64",
                 "--config.task.eval_problems=16", "--config.rollout.num_prompts=4",
                 "--config.rollout.group_size=4", "--config.warmup.steps=6", "--config.warmup.batch_size=16",
