@@ -1,4 +1,4 @@
-"""Seconds-scale experiment configs for tests of the loop (1-layer model, 4 prompts x 2 samples)."""
+"""Seconds-scale experiment configs for tests of the loop (2-layer model, 4 prompts x 2 samples)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,12 +11,11 @@ from rl_fusion_jax import config as config_lib
 def tiny_dict(**overrides: Any) -> dict[str, Any]:
   """The tiny experiment as a plain dict; ``overrides`` are dotted paths, e.g. ``{"run.steps": 5}``."""
   c = dict(
-      # One layer: most of what the tests compile is per layer. Unrolled (scan_unroll=1, see
-      # tests/conftest.py): the suite's loop runs on 8 virtual CPU devices saw XLA:CPU collectives
-      # deadlock intermittently with 2 layers in a rolled scan.
-      model=dict(model_type="qwen2", vocab_size=96, hidden_size=32, num_layers=1, num_heads=4,
+      model=dict(model_type="qwen2", vocab_size=96, hidden_size=32, num_layers=2, num_heads=4,
                  num_kv_heads=2, intermediate_size=64, qkv_bias=True, tie_word_embeddings=True,
-                 max_position_embeddings=32, scan_unroll=1),
+                 # Unrolled (see tests/conftest.py): the suite's loop runs on 8 virtual CPU devices saw
+                 # XLA:CPU collectives deadlock intermittently with the 2 layers in a rolled scan.
+                 max_position_embeddings=32, scan_unroll=2),
       mesh=dict(data=-1, fsdp=2, tensor=1),
       task=dict(name="arithmetic", kwargs=dict(max_digits=2), eval_problems=8),
       rollout=dict(num_prompts=4, group_size=2, max_prompt_len=8, max_new_tokens=4),
