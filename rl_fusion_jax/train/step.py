@@ -202,7 +202,10 @@ def update(loss_fn: LossFn, tx: optax.GradientTransformation, num_micro: int, me
   code = _first_nonfinite(sums, grads, params, opt_state)
   if WINDOW_METRIC in sums:
     code = jnp.where(sums[WINDOW_METRIC] > 0, jnp.int32(WINDOW_CODE), code)
-  ok = code == 0
+  # The flag comes out of a conditional, which XLA never fuses: computed from ``code`` inline, the scalar
+  # chain behind it (an is-finite and an and per checked leaf and metric) was copied into the select of
+  # every parameter and optimizer leaf below (an optimization barrier does not survive XLA:CPU's passes).
+  ok = jax.lax.cond(code == 0, lambda: jnp.bool_(True), lambda: jnp.bool_(False))
   keep = lambda new, old: jnp.where(ok, new, old)
   new_state = state.replace(step=state.step + 1, params=jax.tree.map(keep, params, state.params),
                             opt_state=jax.tree.map(keep, opt_state, state.opt_state),
