@@ -90,8 +90,9 @@ class Sharing:
   Measured since (``experiments/benchmark_main.py``'s ``generate_cores`` / ``train_cores``: a phase's
   process CPU seconds per wall second, one device, the phase alone; a 2-core AMD EPYC with AVX-512, in a
   later session than the committed runs): generation keeps 1.35 cores busy on the long-tail workload and
-  the update 1.70, so the first ASSUMPTION does not hold (XLA's pool works during decode too). The defaults are left as stated: taken as thread counts, the
-  measured figures do not predict the committed runs better (RESULTS.md, the thread-count table).
+  the update 1.70, so the first ASSUMPTION does not hold (XLA's pool works during decode too). The
+  defaults are left as stated: taken as thread counts, the measured figures do not predict the committed
+  runs better (RESULTS.md, the thread-count table).
   ``cores`` = 0: no sharing (dedicated devices)."""
   cores: float = 0.0
   gen_threads: float = 1.0
