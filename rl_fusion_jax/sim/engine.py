@@ -189,18 +189,27 @@ class SimEngine:
       return (n is not None and not blocked and len(self.complete) - len(complete_at_start) >= need_groups
               and awaited <= self.complete)
 
+    def stops() -> bool:   # the chunk's end conditions, but for its step limit
+      if met():
+        return True
+      n_free, n_left = free(), left()
+      can_refill = n_left > 0 and n_free > 0 and n_free >= min(self.rows, n_left)
+      active = n_free < self.num_slots
+      return not (active or can_refill) or (more and n_left <= 0 and n_free >= self.rows)
+
     step = 0
-    while True:
-      active = bool(((self.slot_id >= 0) & (self.slot_gen < self.slot_len)).any())
-      can_refill = left() > 0 and free() > 0 and free() >= min(self.rows, left())
-      needs_host = more and left() <= 0 and free() >= self.rows
-      if step >= self.chunk_steps or met() or not (active or can_refill) or needs_host:
-        break
+    while step < self.chunk_steps and not stops():
       while left() > 0 and free() > 0 and free() >= min(self.rows, left()):
         self._refill(pending, counts)
-      if ((self.slot_id >= 0) & (self.slot_gen < self.slot_len)).any():
-        self._decode_step(version, counts)
-        step += 1
+      active = np.flatnonzero((self.slot_id >= 0) & (self.slot_gen < self.slot_len))
+      if len(active):
+        # Until a sample finishes, nothing the loop tests changes: no slot frees, no group completes, and
+        # the refill just done cannot repeat. So the steps up to the next finish run as one, unless the
+        # chunk ends after the first (``stops`` already true after the refill).
+        to_finish = int((self.slot_len[active] - self.slot_gen[active]).min())
+        steps = 1 if stops() else min(self.chunk_steps - step, to_finish)
+        self._decode_steps(active, version, counts, steps)
+        step += steps
     self._move_done()
     for _ in range(self.ptr):
       self.queue.popleft()
@@ -241,14 +250,16 @@ class SimEngine:
     else:
       counts.prefill_tokens += sum(r.prompt_len for r in admitted)
 
-  def _decode_step(self, version: int, counts: PhaseCounts) -> None:
-    active = np.flatnonzero((self.slot_id >= 0) & (self.slot_gen < self.slot_len))
-    counts.decode_steps += 1
-    counts.generated_tokens += len(active)
-    counts.kv_token_steps += int((self.slot_prompt[active] + self.slot_gen[active]).sum())
+  def _decode_steps(self, active: np.ndarray, version: int, counts: PhaseCounts, steps: int) -> None:
+    """``steps`` decode steps of the ``active`` slots, in which no sample finishes before the last."""
+    counts.decode_steps += steps
+    counts.generated_tokens += len(active) * steps
+    # Context lengths grow by one a step: sum over the steps of (prompt + generated so far).
+    counts.kv_token_steps += (steps * int((self.slot_prompt[active] + self.slot_gen[active]).sum())
+                              + len(active) * steps * (steps - 1) // 2)
     first = active[self.slot_ver[active] < 0]
     self.slot_ver[first] = version      # versions only grow: the first is the oldest
-    self.slot_gen[active] += 1
+    self.slot_gen[active] += steps
     for s in active[self.slot_gen[active] >= self.slot_len[active]]:
       g = int(self.slot_group[s])
       self.done_count[g] += 1
