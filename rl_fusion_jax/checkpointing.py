@@ -17,6 +17,10 @@ Guarantees, and how they are kept:
   * Shapes first: before reading arrays, ``restore`` compares the stored tree metadata with the target
     and names the first leaf whose shape or dtype differs (not orbax's "set strict=False" advice).
 
+Small arrays are written whole: orbax's replica-parallel writes split each replicated shard among its
+replicas by slicing it on device first (an eager slice per shard, and a compile per new shape on a
+process's first save); here only shards of at least ``MIN_REPLICA_PARALLEL_BYTES`` per replica are split.
+
 Params and optimizer state are separate items, so generation or evaluation can restore params alone.
 Restores take abstract targets carrying shardings, so a run can resume onto another mesh. This module
 never decides which step to resume from; ``orchestration/resume.py`` does.
@@ -47,6 +51,27 @@ from etils import epath
 from rl_fusion_jax import distributed
 from rl_fusion_jax.distributed import fetch
 from rl_fusion_jax.errors import CheckpointError, WriteError
+
+# Bytes per replica below which a replicated shard is written whole by one replica (module docstring).
+MIN_REPLICA_PARALLEL_BYTES = 8 << 20
+
+
+def _register_array_handler() -> None:
+  """orbax's default jax.Array handler again, with the threshold (and the default's array metadata store);
+  orbax's warning that a handler is replaced is not shown."""
+  absl_logger = std_logging.getLogger("absl")
+  level = absl_logger.level
+  absl_logger.setLevel(std_logging.ERROR)
+  try:
+    ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+        min_slice_bytes_for_replica_parallel=MIN_REPLICA_PARALLEL_BYTES,
+        array_metadata_store=getattr(ocp.type_handlers.get_type_handler(jax.Array), "_array_metadata_store",
+                                     None)), override=True)
+  finally:
+    absl_logger.setLevel(level)
+
+
+_register_array_handler()
 
 
 def abstract_like(tree, shardings):
