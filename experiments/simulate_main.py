@@ -20,7 +20,7 @@ more than --tolerance (unless --nofail_on_miss: experiments/report_main.py repor
 --cluster: Tables 1 and 2 and the sweep at cluster scale (``sim/tables.py``, every input with its source
 in ``sim/cluster.py``): Table 1 on one 384-device supernode, Table 2 on 1, 2 and 4 supernodes (weak
 scaling) with the terms that grow with the supernodes, and the sweep of the inputs that move it. Writes
-OUT/cluster.md and OUT/cluster.json (~5 min; --quick: a smaller workload and fewer steps, ~1 min).
+OUT/cluster.md and OUT/cluster.json (~4 min; --quick: a smaller workload and fewer steps, ~12 s).
 """
 from __future__ import annotations
 
