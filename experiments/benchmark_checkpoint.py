@@ -35,15 +35,13 @@ def main(argv):
   flags_env = os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = f"{flags_env} --xla_force_host_platform_device_count={_DEVICES.value}".strip()
   import jax
-  import orbax.checkpoint as ocp
   from rl_fusion_jax import checkpointing, models
   from rl_fusion_jax import config as config_lib
   from rl_fusion_jax.sharding.mesh import make_mesh
   from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
   from rl_fusion_jax.train import state as state_lib
   if _MIN_BYTES.value >= 0:
-    ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
-        min_slice_bytes_for_replica_parallel=_MIN_BYTES.value or None), override=True)
+    checkpointing.set_replica_parallel_threshold(_MIN_BYTES.value or None)
   cfg = config_lib.experiment_from_dict(_CONFIG.value)
   m = cfg.model.config
   mesh = make_mesh(dataclasses.replace(cfg.mesh, data=-1))

@@ -56,22 +56,23 @@ from rl_fusion_jax.errors import CheckpointError, WriteError
 MIN_REPLICA_PARALLEL_BYTES = 8 << 20
 
 
-def _register_array_handler() -> None:
-  """orbax's default jax.Array handler again, with the threshold (and the default's array metadata store);
-  orbax's warning that a handler is replaced is not shown."""
+def set_replica_parallel_threshold(min_bytes: int | None) -> None:
+  """Registers orbax's default jax.Array handler again (with the default's array metadata store), splitting
+  replicated shards among their replicas only from ``min_bytes`` per replica (None: orbax's default, every
+  replicated shard split). orbax's warning that a handler is replaced is not shown."""
   absl_logger = std_logging.getLogger("absl")
   level = absl_logger.level
   absl_logger.setLevel(std_logging.ERROR)
   try:
     ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
-        min_slice_bytes_for_replica_parallel=MIN_REPLICA_PARALLEL_BYTES,
+        min_slice_bytes_for_replica_parallel=min_bytes,
         array_metadata_store=getattr(ocp.type_handlers.get_type_handler(jax.Array), "_array_metadata_store",
                                      None)), override=True)
   finally:
     absl_logger.setLevel(level)
 
 
-_register_array_handler()
+set_replica_parallel_threshold(MIN_REPLICA_PARALLEL_BYTES)
 
 
 def abstract_like(tree, shardings):
