@@ -65,16 +65,32 @@ def prefill(spec: GenerateSpec, width: int, params, cache, state: SlotState, slo
   num_slots = state.done_s.shape[0]
   state = _admit(state, jnp.where(is_new_r, slot_r, num_slots), prompt_rp, prompt_len_r, sample_id_r,
                  forced_len_r)
-  source = slot_r if lead_u is None else lead_u
-  tokens_rw = state.tokens_st.at[source, :width].get(mode="fill", fill_value=0)
+  tokens_rw = state.tokens_st.at[slot_r if lead_u is None else lead_u, :width].get(mode="fill", fill_value=0)
+  rows_cache = prefix_kv(spec, width, cache["k"].dtype, params, tokens_rw, from_r)
+  return state, _write_kv(cache, slot_r, rows_cache)
+
+
+def prefix_kv(spec: GenerateSpec, width: int, dtype, params, tokens_rw, from_r=None, pad_to: int | None = None):
+  """The KV ``{'k', 'v'}: [L, R, K, W, H]`` (in ``dtype``, the cache's) of rows of prefix tokens (their
+  first ``width`` columns), the rows ``from_r`` of it when given (rows sharing a prompt's forward);
+  ``pad_to``: zero columns appended up to that width (pad KV past every prefix, harmless as in ``prefill``)."""
+  tokens_rw = tokens_rw[:, :width]
   positions_rw = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens_rw.shape)
-  rows_cache = models.init_cache(spec.model, tokens_rw.shape[0], width, dtype=cache["k"].dtype)
+  rows_cache = models.init_cache(spec.model, tokens_rw.shape[0], width, dtype=dtype)
   # The logits are unused, so XLA drops the LM head from this program.
   _, rows_cache = models.forward_with_cache(spec.model, params, tokens_rw, positions_rw, rows_cache)
   if from_r is not None:
     rows_cache = {name: kv[:, from_r] for name, kv in rows_cache.items()}
-  cache = {name: cache[name].at[:, slot_r, :, :width].set(rows_cache[name], mode="drop") for name in cache}
-  return state, cache
+  if pad_to is not None and pad_to > width:
+    pad = [(0, 0)] * 3 + [(0, pad_to - width), (0, 0)]
+    rows_cache = {name: jnp.pad(kv, pad) for name, kv in rows_cache.items()}
+  return rows_cache
+
+
+def _write_kv(cache, slot_r, rows_cache):
+  """``rows_cache`` ([L, R, K, W, H]) into the first W positions of slots ``slot_r`` (S: dropped)."""
+  width = rows_cache["k"].shape[3]
+  return {name: cache[name].at[:, slot_r, :, :width].set(rows_cache[name], mode="drop") for name in cache}
 
 
 def shared_prompt_rows(rows: int, group_size: int, shards: int) -> int:
@@ -221,17 +237,25 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique
     # prefill all of them).
     b1, b2 = row_shardings
     rows_1 = lambda x: jax.lax.with_sharding_constraint(x, b1)
-    operands = (params, c.cache, c.state, rows_1(dest_r), rows_1(valid_r),
-                jax.lax.with_sharding_constraint(take(pending.prompt_qp), b2), rows_1(prompt_len_r),
-                rows_1(take(pending.sample_id_q)), rows_1(take(pending.forced_len_q)))
-    forward_rows = rows
+    dest_r = rows_1(dest_r)
+    state = _admit(c.state, jnp.where(valid_r, dest_r, num_slots),
+                   jax.lax.with_sharding_constraint(take(pending.prompt_qp), b2), rows_1(prompt_len_r),
+                   rows_1(take(pending.sample_id_q)), rows_1(take(pending.forced_len_q)))
+    source_r, from_arg, forward_rows = dest_r, (), rows
     if unique < rows:   # each distinct prompt's first row (its slot) leads; U rows split like the others
       lead_u = jnp.full((unique,), num_slots, jnp.int32).at[jnp.where(lead_r & valid_r, from_r, unique)].set(
           dest_r, mode="drop")
-      operands += (rows_1(lead_u), rows_1(from_r))
-      forward_rows = unique
-    new_state, new_cache = jax.lax.switch(branch, [functools.partial(prefill, spec, w) for w in new_widths],
-                                          *operands)
+      source_r, from_arg, forward_rows = rows_1(lead_u), (rows_1(from_r),), unique
+    widest = new_widths[-1]
+    tokens_rw = jax.lax.with_sharding_constraint(
+        state.tokens_st.at[source_r, :widest].get(mode="fill", fill_value=0), b2)
+    # Only the forward depends on the width: the switch neither takes nor returns the cache, so XLA
+    # updates it in place (a cache passing through a conditional is copied in and out of it).
+    kv_dtype = c.cache["k"].dtype
+    rows_cache = jax.lax.switch(
+        branch, [functools.partial(prefix_kv, spec, w, kv_dtype, pad_to=widest) for w in new_widths],
+        params, tokens_rw, *from_arg)
+    new_state, new_cache = state, _write_kv(c.cache, dest_r, rows_cache)
     width = jnp.asarray(new_widths, jnp.int32)[branch]
     return c.replace(state=new_state, cache=new_cache, ptr=c.ptr + k, refills=c.refills + 1, filling=True,
                      refill_tokens=c.refill_tokens + forward_rows * width,
