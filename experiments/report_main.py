@@ -283,7 +283,8 @@ def staleness_findings(results: dict) -> list[str]:
 def steps_short(stale: dict) -> str:
   """Per StaleSync arm of a staleness study: its median step against sync's and the RL seconds it took to
   reach the sync run's final accuracy over sync's (``time_to_sync`` of staleness.json: mean over the seeds
-  that got there), next to the sync run's own ratio."""
+  that got there), next to the sync run's own ratio, and the RL seconds of its whole sample budget over
+  sync's (``rl_seconds_to_sync``: mean of the per-seed ratios)."""
   import statistics  # pylint: disable=g-import-not-at-top
   out = []
   for algo, by_arm in stale["results"].items():
@@ -296,10 +297,13 @@ def steps_short(stale: dict) -> str:
     step = lambda runs: (statistics.fmean(r["median_step_s"] for r in runs)
                          if all(r.get("median_step_s") for r in runs) else None)
     base = step(by_arm["sync"])
+    whole = stale.get("rl_seconds_to_sync", {}).get(algo, {})
     parts = [f"sync itself {to_goal('sync')}"]
     for arm, runs in by_arm.items():
       if arm != "sync":
         ratio = f"median step x{step(runs) / base:.2f} sync's, " if base and step(runs) else ""
+        if whole.get(arm):
+          ratio += f"RL seconds of the whole budget x{statistics.fmean(whole[arm]):.2f} sync's, "
         parts.append(f"{arm}: {ratio}to sync's final accuracy in {to_goal(arm)} of sync's RL seconds")
     out.append("; ".join(parts))
   return " ".join(out)

@@ -166,17 +166,35 @@ def time_to_sync_ratios(results: dict) -> dict[str, dict[str, list]]:
   return out
 
 
+def rl_seconds_ratios(results: dict) -> dict[str, dict[str, list]]:
+  """algo -> arm -> per seed: the run's RL seconds (its whole sample budget) over the RL seconds of the
+  synchronous run of the same seed (seeds without a sync run are left out)."""
+  out = {}
+  for algo, by_arm in results.items():
+    sync = {r["seed"]: r for r in by_arm.get("sync", [])}
+    for arm, runs in by_arm.items():
+      out.setdefault(algo, {})[arm] = [r["rl_seconds"] / max(sync[r["seed"]]["rl_seconds"], 1e-9)
+                                       for r in runs if r["seed"] in sync]
+  return out
+
+
 def time_to_sync_accuracy(results: dict) -> str:
   """The table of ``time_to_sync_ratios``: per arm, per seed, their mean over the seeds that got there. On
-  a curve that flattens early the sync row's own ratio is small too: read the StaleSync rows against it."""
+  a curve that flattens early the sync row's own ratio is small too: read the StaleSync rows against it,
+  and beside it ``rl_seconds_ratios`` (the whole sample budget's RL seconds over sync's, per seed)."""
   lines = ["| algorithm | arm | per seed: seconds to sync's final accuracy / sync's RL seconds | mean (seeds that "
-           "reached it) | reached |", "|---|---|---|---|---|"]
+           "reached it) | reached | per seed: RL seconds of the whole budget / sync's | mean |",
+           "|---|---|---|---|---|---|---|"]
+  whole = rl_seconds_ratios(results)
   for algo, by_arm in time_to_sync_ratios(results).items():
     for arm, ratios in by_arm.items():
       shown = ", ".join("-" if x is None else f"{x:.2f}" for x in ratios)
       reached = [x for x in ratios if x is not None]
       mean = f"{statistics.fmean(reached):.2f}" if reached else "-"
-      lines.append(f"| {algo} | {arm} | {shown} | {mean} | {len(reached)}/{len(ratios)} |")
+      budget = whole[algo][arm]
+      budget_mean = f"{statistics.fmean(budget):.2f}" if budget else "-"
+      lines.append(f"| {algo} | {arm} | {shown} | {mean} | {len(reached)}/{len(ratios)} | "
+                   f"{', '.join(f'{x:.2f}' for x in budget) or '-'} | {budget_mean} |")
   return "\n".join(lines)
 
 
@@ -321,6 +339,7 @@ def from_export(root: str, path: str) -> None:
   md = render(root, results)
   with open(os.path.join(root, "staleness.json"), "w") as f:
     json.dump({"settings": export["settings"], "results": results, "time_to_sync": time_to_sync_ratios(results),
+               "rl_seconds_to_sync": rl_seconds_ratios(results),
                "seconds": time.perf_counter() - t0,
                "runs_seconds": export.get("runs_seconds"), "command": export.get("command"),
                "from_export": path, "machines": [r.get("machine") for r in export["runs"]]}, f, indent=1)
@@ -368,6 +387,7 @@ def main(argv):
   settings_ = s | {"task": _TASK.value}
   with open(os.path.join(root, "staleness.json"), "w") as f:
     json.dump({"settings": settings_, "results": results, "time_to_sync": time_to_sync_ratios(results),
+               "rl_seconds_to_sync": rl_seconds_ratios(results),
                "seconds": time.perf_counter() - t0,
                "runs_seconds": runs_seconds, "command": command,
                "machines": [r["machine"] for r in exported]}, f, indent=1)

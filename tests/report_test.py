@@ -253,12 +253,27 @@ res = {"grpo": {"sync": [run([0.5, 0.6, 0.55], [0.0, 5.0, 10.0], 0.5, 0.25)],
 out = {"tta": m.time_to_sync_accuracy(res), "table": m.table(res)}
 """
   out = _call("staleness_main", code)
-  assert "| grpo | sync | 0.50 | 0.50 | 1/1 |" in out["tta"]
-  assert "| grpo | s2_corrected | 0.30 | 0.30 | 1/1 |" in out["tta"]
+  # Last two columns: the whole budget's RL seconds over sync's (6 / 10 for the StaleSync arm).
+  assert "| grpo | sync | 0.50 | 0.50 | 1/1 | 1.00 | 1.00 |" in out["tta"]
+  assert "| grpo | s2_corrected | 0.30 | 0.30 | 1/1 | 0.60 | 0.60 |" in out["tta"]
   sync_row = next(line for line in out["table"].splitlines() if line.startswith("| grpo | sync |"))
   stale_row = next(line for line in out["table"].splitlines() if line.startswith("| grpo | s2_corrected |"))
   assert "| 0.550 | 0.500 |" in sync_row and "0.500 (0.250, 0.250)" in sync_row
   assert "| 0.600 | 0.500 |" in stale_row and "0.300 (0.050, 0.250)" in stale_row
+
+
+def test_staleness_in_short_line_gives_median_step_whole_budget_and_time_to_goal_by_hand():
+  # One seed: sync's median step 0.5 s, the StaleSync arm's 0.3 s (x0.60); the arm's whole budget took 6 of
+  # sync's 10 RL seconds (x0.60, given); it reached sync's final accuracy at 0.30 of sync's RL seconds.
+  code = """
+stale = {"results": {"grpo": {"sync": [{"median_step_s": 0.5}], "s2_corrected": [{"median_step_s": 0.3}]}},
+         "time_to_sync": {"grpo": {"sync": [0.5], "s2_corrected": [0.3]}},
+         "rl_seconds_to_sync": {"grpo": {"sync": [1.0], "s2_corrected": [0.6]}}}
+out = m.steps_short(stale)
+"""
+  out = _call("report_main", code)
+  assert out == ("sync itself 0.50 (1/1 seeds); s2_corrected: median step x0.60 sync's, RL seconds of the whole "
+                 "budget x0.60 sync's, to sync's final accuracy in 0.30 (1/1 seeds) of sync's RL seconds")
 
 
 def test_committed_staleness_tables_regenerate_from_their_exports(tmp_path):
