@@ -263,17 +263,17 @@ out = {"tta": m.time_to_sync_accuracy(res), "table": m.table(res)}
 
 
 def test_staleness_in_short_line_gives_median_step_whole_budget_and_time_to_goal_by_hand():
-  # One seed: sync's median step 0.5 s, the StaleSync arm's 0.3 s (x0.60); the arm's whole budget took 6 of
-  # sync's 10 RL seconds (x0.60, given); it reached sync's final accuracy at 0.30 of sync's RL seconds.
+  # One seed: sync's median step 0.5 s, the StaleSync arm's 0.3 s (x0.60); the arm's whole budget took 7 of
+  # sync's 10 RL seconds (x0.70, given); it reached sync's final accuracy at 0.30 of sync's RL seconds.
   code = """
 stale = {"results": {"grpo": {"sync": [{"median_step_s": 0.5}], "s2_corrected": [{"median_step_s": 0.3}]}},
          "time_to_sync": {"grpo": {"sync": [0.5], "s2_corrected": [0.3]}},
-         "rl_seconds_to_sync": {"grpo": {"sync": [1.0], "s2_corrected": [0.6]}}}
+         "rl_seconds_to_sync": {"grpo": {"sync": [1.0], "s2_corrected": [0.7]}}}
 out = m.steps_short(stale)
 """
   out = _call("report_main", code)
   assert out == ("sync itself 0.50 (1/1 seeds); s2_corrected: median step x0.60 sync's, RL seconds of the whole "
-                 "budget x0.60 sync's, to sync's final accuracy in 0.30 (1/1 seeds) of sync's RL seconds")
+                 "budget x0.70 sync's, to sync's final accuracy in 0.30 (1/1 seeds) of sync's RL seconds")
 
 
 def test_committed_staleness_tables_regenerate_from_their_exports(tmp_path):
