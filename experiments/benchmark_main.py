@@ -12,6 +12,12 @@ phase's process CPU seconds (every thread: the host loop and XLA's pools) per wa
 the measured steps: how many of the machine's cores the phase keeps busy (compare the thread counts of
 the simulator's processor-sharing model, `sim/costs.py::Sharing`).
 
+With --spinners=K, K processes that each keep one core busy (a Python loop) run through the measured
+steps. With --alone (the JSON line of the same run without them) it adds each phase's slowdown and the
+thread count the simulator's processor-sharing model would need to predict it
+(`generate_threads` / `train_threads`: `sim/costs.py::Sharing.threads_from_slowdown`, at most the core
+count; a phase slowed more than the model allows reports the core count).
+
 With --turn_steps=N the binary takes turns with another process (experiments/turns.py, driven by
 experiments/benchmark_vs_trl.py): it ends a turn after the warm-up and after every N measured steps,
 reporting those steps' seconds, and waits on stdin before going on.
@@ -38,6 +44,10 @@ _PROFILE_DIR = flags.DEFINE_string("profile_dir", "", "Trace the measured steps 
                                    "folder (a Perfetto trace, *.trace.json.gz, beside the XPlane one).")
 _TURN_STEPS = flags.DEFINE_integer("turn_steps", 0, "Take turns: wait on stdin after the warm-up and "
                                    "after every N measured steps (0: never).")
+_SPINNERS = flags.DEFINE_integer("spinners", 0, "Processes that each keep one core busy during the measured "
+                                 "steps (a competitor of known thread count).")
+_ALONE = flags.DEFINE_string("alone", "", "With --spinners: the JSON line this binary printed for the same "
+                             "config without spinners; adds each phase's slowdown and competing threads.")
 _DISTRIBUTED = common.define_distributed_flags()   # several processes: docs/multihost.md
 flags.mark_flags_as_required(["config"])
 
@@ -73,6 +83,26 @@ def cpu_timeline():
         self.cpu[name, step] = (time.process_time() - c0, time.perf_counter() - w0)
 
   return CpuTimeline()
+
+
+def _spin() -> None:
+  while True:
+    pass
+
+
+@contextlib.contextmanager
+def spinners(count: int):
+  """``count`` processes, each one runnable thread that never waits, for the body's duration."""
+  import multiprocessing  # pylint: disable=g-import-not-at-top
+  procs = [multiprocessing.get_context("spawn").Process(target=_spin, daemon=True) for _ in range(count)]
+  for p in procs:
+    p.start()
+  try:
+    yield
+  finally:
+    for p in procs:
+      p.terminate()
+      p.join()
 
 
 def model_flops(cfg, response_len_mean: float) -> dict[str, float]:
@@ -127,15 +157,19 @@ def main(argv):
   after_first[0] = True
   rows = []
   maybe_end_turn(0, rows)
+  spin = contextlib.ExitStack()
   for step in range(1, 1 + _WARMUP.value + _STEPS.value):
     if _PROFILE_DIR.value and step == _WARMUP.value + 1:
       jax.profiler.start_trace(_PROFILE_DIR.value, create_perfetto_trace=True)
+    if step == _WARMUP.value + 1:
+      spin.enter_context(spinners(_SPINNERS.value))
     state, m = phases.rl_step(setup, programs, state, ref, step, timeline)
     m = processes.reduce_metrics(step, m)   # of several processes: times are the slowest process's
     if step > _WARMUP.value:
       rows.append(m)
     maybe_end_turn(step, rows)
   run_s = time.perf_counter() - t0
+  spin.close()
   if _PROFILE_DIR.value:
     jax.profiler.stop_trace()
   for r in rows:
@@ -169,6 +203,17 @@ def main(argv):
     if key.startswith(("switch/", "sync/")):
       value = statistics.median(r[key] for r in rows if key in r)   # memory: only on sampled switches
       out[key] = round(value, 4) if key.endswith("seconds") else value
+  if _SPINNERS.value:
+    import os  # pylint: disable=g-import-not-at-top
+    from rl_fusion_jax.sim.costs import Sharing  # pylint: disable=g-import-not-at-top
+    out |= {"spinners": _SPINNERS.value, "cores": os.cpu_count()}
+    if _ALONE.value:
+      alone = json.loads(_ALONE.value)
+      for phase in ("generate", "train"):
+        slowdown = out[f"{phase}_s"] / alone[f"{phase}_s"]
+        out[f"{phase}_slowdown"] = round(slowdown, 3)
+        out[f"{phase}_threads"] = round(Sharing(cores=os.cpu_count()).threads_from_slowdown(
+            slowdown, _SPINNERS.value), 2)
   del first
   if distributed.is_writer():
     print(json.dumps(out, sort_keys=True))

@@ -356,7 +356,10 @@ CAN_AND_CANNOT = [
     "(`experiments/benchmark_main.py`'s `generate_cores` and `train_cores`: process CPU seconds per wall "
     "second), generation keeps 1.35 cores busy on the long tail (1.22 on the arithmetic task from a random "
     "init) and the update 1.70 (1.75): the count of 1 for generation is contradicted, and as thread counts "
-    "the measured figures give the row 1.35 / 1.7 / 1 of the table above, no closer overall.",
+    "the measured figures give the row 1.35 / 1.7 / 1 of the table above. Against processes that keep a core "
+    "busy (`benchmark_main.py --spinners`), the update slowed by up to 2.1x beside one of them, more than "
+    "processor sharing allows any thread count (1.5x), and the same measurement repeated moved by a third: "
+    "no measured thread count replaces the stated ones.",
     "* Per-group rollout engines with their own queues: the replay is this codebase's one SPMD engine over "
     "all replicas. Table 2's tail barrier is the expected longest sample over all of a step's draws (the "
     "same as the slowest group's longest when every sample has a slot), and StaleSync's is a first-order "
@@ -547,7 +550,10 @@ def simulator_sections(validation: dict, sim: str) -> list[str]:
       "`rl_fusion_jax/sim/` (no JAX) replays the engine's slot scheduling and the schedules step by step and "
       "prices each step with costs fitted on measured runs (`sim/fit.py`): per decode step, per host call "
       "(a decode chunk or a host prefill call, one shared cost), per in-chunk refill, per rollout phase, per "
-      "trained token, and the host time between phases; in the separated deployment each phase is first "
+      "trained token, and the host time between phases. The generation costs are fitted over the decode "
+      "chunks (the engine records each chunk's seconds, decode steps and refills as per-phase sums), so a "
+      "chunk's cost and a decode step's are told apart even when every phase of a run has the same counts; "
+      "in the separated deployment each phase is first "
       "scaled to its time alone by a processor-sharing model of the two processes on the measuring machine's "
       "cores (`costs.Sharing`).",
       "",

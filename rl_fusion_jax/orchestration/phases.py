@@ -27,6 +27,7 @@ from rl_fusion_jax.orchestration.programs import Programs
 from rl_fusion_jax.orchestration.setup import Setup
 from rl_fusion_jax.rewards.base import pass_at_k, score_batch
 from rl_fusion_jax.rollout import workload
+from rl_fusion_jax.rollout import engine as engine_lib
 from rl_fusion_jax.rollout.engine import Request
 from rl_fusion_jax.sharding import mesh as mesh_lib
 from rl_fusion_jax.timeline import Timeline
@@ -276,7 +277,7 @@ def generation_phase(programs: Programs, state, step: int, timeline: Timeline, r
               # simulator's cost fit (rl_fusion_jax/sim/fit.py) reads the chunk, call and refill counts.
               **{f"engine/{k}": float(result.stats.get(k, 0))
                  for k in ("decode_chunks", "prefill_calls", "refill_prefills", "prefill_tokens", "prefill_rows",
-                           "reprefill_rows")},
+                           "reprefill_rows", *engine_lib.CHUNK_MOMENTS)},
               # Bytes the engine's fetches moved device -> host: finished rows packed (and what the same rows
               # padded to seq_len would be), and the per-chunk control numbers (flags, lengths, counters).
               **{f"queue/link_bytes/{k}": float(result.stats.get(f"link_bytes/{k}", 0))
@@ -588,7 +589,8 @@ def rl_step(setup: Setup, programs: Programs, state, ref_resting, step: int, tim
 SUMMED_OVER_ROUNDS = ("generate_s", "engine/generated_tokens", "engine/decode_steps", "engine/decode_chunks",
                       "engine/prefill_calls", "engine/refill_prefills", "engine/prefill_tokens",
                       "engine/prefill_rows", "engine/reprefill_rows", "queue/link_bytes/engine_to_host",
-                      "queue/link_bytes/engine_to_host_padded", "queue/link_bytes/engine_control")
+                      "queue/link_bytes/engine_to_host_padded", "queue/link_bytes/engine_control",
+                      *(f"engine/{k}" for k in engine_lib.CHUNK_MOMENTS))
 
 
 def _generate_round(setup: Setup, programs: Programs, state, step: int, timeline: Timeline, first: int):

@@ -476,6 +476,7 @@ class Engine:
     device), reads the finished rows of the chunk before it (``_read_rows``: its transfer overlaps this
     chunk), then fetches what the host needs to keep its view: each slot's done flag, response length and
     sample id, the outbox's sample ids and counters (3 x S + O + 8 numbers)."""
+    t0 = time.perf_counter()
     pending = list(itertools.islice(self._queue, self.programs.pending_rows))
     group_index, group_s, remaining_g = self._group_table(pending)
     args = self._chunk_inputs(pending, group_index, remaining_g, target)
@@ -512,6 +513,7 @@ class Engine:
     self._chunks += 1
     stats.update(decode_chunks=1, decode_steps=int(steps), generated_tokens=int(tokens),
                  refill_prefills=int(refills), prefill_rows=int(taken), prefill_tokens=int(refill_tokens))
+    _add_chunk_moments(stats, time.perf_counter() - t0, int(steps), int(refills))
 
   def _group_table(self, pending: list[Request]):
     """The groups a chunk tracks (those of in-flight and uploaded samples, in that order) -> ({group id:
@@ -627,6 +629,20 @@ class Engine:
     stats["prefill_tokens"] += rows * width
     if stats["prefill_calls"] % _PREFILLS_PER_BLOCK == 0:
       jax.block_until_ready(self._state)
+
+
+# A chunk's wall seconds (``_chunk``: inputs, dispatch, the previous chunk's rows, the control fetch and
+# the host's bookkeeping) against its decode steps and refills, kept as the sums a least-squares fit over
+# the chunks needs (with ``decode_chunks``, ``decode_steps`` and ``refill_prefills``): per-chunk costs are
+# then identifiable from runs whose phases all have the same counts (``sim/fit.py``).
+CHUNK_MOMENTS = ("chunk_s", "chunk_s_x_steps", "chunk_s_x_refills", "chunk_steps_sq", "chunk_steps_x_refills",
+                 "chunk_refills_sq")
+
+
+def _add_chunk_moments(stats, seconds: float, steps: int, refills: int) -> None:
+  for key, value in zip(CHUNK_MOMENTS, (seconds, seconds * steps, seconds * refills, steps * steps,
+                                        steps * refills, refills * refills)):
+    stats[key] += value
 
 
 _ROW_FIELDS = ("tokens_st", "logp_st", "version_st", "prompt_len_s", "response_len_s", "finished_s",

@@ -92,7 +92,11 @@ class Sharing:
   later session than the committed runs): generation keeps 1.35 cores busy on the long-tail workload and
   the update 1.70, so the first ASSUMPTION does not hold (XLA's pool works during decode too). The
   defaults are left as stated: taken as thread counts, the measured figures do not predict the committed
-  runs better (RESULTS.md, the thread-count table).
+  runs better (RESULTS.md, the thread-count table). Nor does a measurement against known competitors
+  (``benchmark_main.py --spinners=K``: K processes each keeping a core busy, ``threads_from_slowdown``; long
+  tail, one device, same machine kind): beside one of them the update took 1.29-2.08x its time alone in
+  three runs, more than processor sharing allows any thread count (1.5x: XLA's pool waits for its slowest
+  thread), and generation 1.00-1.41x; repeats moved by a third, too much to set a count from.
   ``cores`` = 0: no sharing (dedicated devices)."""
   cores: float = 0.0
   gen_threads: float = 1.0
@@ -104,6 +108,22 @@ class Sharing:
     if self.cores <= 0 or others <= 0:
       return 1.0
     return min(own, self.cores * own / (own + others)) / min(own, self.cores)
+
+  def threads_from_slowdown(self, slowdown: float, others: float) -> float:
+    """The thread count an activity must have for ``rate`` to predict ``slowdown`` (its seconds with
+    ``others`` always-runnable threads beside it over its seconds alone): the inverse of ``rate`` over
+    (0, cores], where it falls from 1 to cores / (cores + others), by bisection. 0 when it was not slowed
+    (any count up to ``cores - others`` fits); ``cores`` when it was slowed more than the model allows."""
+    target = 1.0 / slowdown
+    if target >= 1.0:
+      return 0.0
+    if self.rate(self.cores, others) >= target:
+      return float(self.cores)
+    lo, hi = 1e-9, float(self.cores)
+    for _ in range(100):
+      mid = (lo + hi) / 2
+      lo, hi = (mid, hi) if self.rate(mid, others) > target else (lo, mid)
+    return (lo + hi) / 2
 
   def work(self, span: tuple[float, float], own: float, others: list[tuple[float, float, float]]) -> float:
     """Seconds of work-alone done in ``span`` while ``others`` ((start, end, threads) each) run."""

@@ -2,10 +2,11 @@
 
 ``fit_costs(runs)`` takes runs of one deployment (colocated, or separated with one process per side) on
 one workload and fits, over all their measured steps:
-  * generation: ``generate_s`` against the engine's counts of the same step (``GEN_TERMS``: decode
-    steps; host calls, i.e. decode chunks plus host prefill calls at one shared cost; in-chunk refills;
-    and a constant per phase), non-negative least squares; a term whose count does not vary across the
-    steps is folded into the constant;
+  * generation: the engine's counts of the same step priced by ``GEN_TERMS`` (decode steps; host calls,
+    i.e. decode chunks plus host prefill calls at one shared cost; in-chunk refills; and a constant per
+    phase). Runs that recorded the engine's per-chunk sums are fitted over their chunks
+    (``_fit_gen_chunks``); older runs by non-negative least squares of ``generate_s`` over the steps, a
+    term whose count does not vary across the steps folded into the constant;
   * the update: ``train_s`` against ``train_tokens`` (fixed + per token; the mean rate alone when the
     token counts hardly vary);
   * colocated: the mean of (time between update ends - generate_s - train_s) per step, split into
@@ -63,13 +64,63 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     keep.remove(min(negative, key=lambda j: coef[j]))
 
 
+# The engine's per-chunk sums (``rollout/engine.py::CHUNK_MOMENTS``; this module imports no JAX, so the
+# names are repeated here and tests/sim_test.py checks the two agree): a chunk's wall seconds s, its decode
+# steps n and in-chunk refills r, summed per rollout phase as s, s*n, s*r, n*n, n*r, r*r.
+CHUNK_MOMENTS = ("chunk_s", "chunk_s_x_steps", "chunk_s_x_refills", "chunk_steps_sq", "chunk_steps_x_refills",
+                 "chunk_refills_sq")
+
+
+def _nnls_normal(gram: np.ndarray, rhs: np.ndarray, keep: list[int]) -> np.ndarray:
+  """``nnls`` from the normal equations (``gram`` = X'X, ``rhs`` = X'y) over the columns ``keep``."""
+  keep = list(keep)
+  while True:
+    coef = np.zeros(len(rhs))
+    if keep:
+      coef[keep] = np.linalg.lstsq(gram[np.ix_(keep, keep)], rhs[keep], rcond=None)[0]
+    negative = [j for j in keep if coef[j] < 0]
+    if not negative:
+      return coef
+    keep.remove(min(negative, key=lambda j: coef[j]))
+
+
+def _fit_gen_chunks(rows: list[dict]) -> GenCost:
+  """``fit_gen`` on runs that recorded ``CHUNK_MOMENTS``: a chunk's seconds = a + b x its decode steps +
+  c x its refills, least squares over every chunk of the rows (non-negative; a count that does not vary
+  across the chunks is dropped, its cost staying in a). Within one phase the chunks differ (a long tail's
+  last chunk is short, its refills come in the first), so a and b are told apart even when every phase has
+  the same counts, which the phase-level fit cannot do. A host prefill call costs a (``GEN_TERMS``). The
+  per-phase constant is the mean of what the chunks and calls leave of ``generate_s``; when the host calls
+  per phase do not vary across the rows, a chunk's intercept cannot be told from a phase's and is folded
+  into it, as in the phase-level fit."""
+  total = lambda key: sum(float(m.get(key, 0.0)) for m in rows)
+  n, steps, refills = total("engine/decode_chunks"), total("engine/decode_steps"), total("engine/refill_prefills")
+  ss, sr, rr = (total(f"engine/{k}") for k in ("chunk_steps_sq", "chunk_steps_x_refills", "chunk_refills_sq"))
+  gram = np.array([[n, steps, refills], [steps, ss, sr], [refills, sr, rr]])
+  rhs = np.array([total(f"engine/{k}") for k in ("chunk_s", "chunk_s_x_steps", "chunk_s_x_refills")])
+  varies = lambda s1, s2: s2 / n - (s1 / n) ** 2 > 1e-9 * max(1.0, (s1 / n) ** 2)
+  keep = [0] + [j for j, (s1, s2) in ((1, (steps, ss)), (2, (refills, rr))) if varies(s1, s2)]
+  a, b, c = _nnls_normal(gram, rhs, keep)
+  calls = np.array([float(m.get("engine/decode_chunks", 0)) + float(m.get("engine/prefill_calls", 0))
+                    for m in rows])
+  if calls.std() <= 1e-9 * max(1.0, calls.mean()):
+    a = 0.0   # the same host calls in every phase: their intercept joins the per-phase constant below
+  rest = [m["generate_s"] - a * k - b * float(m.get("engine/decode_steps", 0))
+          - c * float(m.get("engine/refill_prefills", 0)) for m, k in zip(rows, calls)]
+  return GenCost(phase=max(0.0, statistics.fmean(rest)), decode_steps=float(b), decode_chunks=float(a),
+                 prefill_calls=float(a), refill_prefills=float(c))
+
+
 def fit_gen(rows: list[dict]) -> GenCost:
-  """``generate_s`` = phase + sum over ``GEN_TERMS`` of cost x count (non-negative least squares); a term
-  whose count does not vary across the rows is folded into the per-phase constant."""
+  """``generate_s`` = phase + sum over ``GEN_TERMS`` of cost x count. From the engine's per-chunk sums when
+  every row has them (``_fit_gen_chunks``); otherwise (runs recorded before them) non-negative least squares
+  over the phases, a term whose count does not vary across the rows folded into the per-phase constant."""
   rows = [m for m in rows if m.get("generate_s", 0.0) > 0 and "engine/decode_steps" in m]
   if not rows:
     raise ValueError("fit_gen: no measured step has a rollout phase with engine counts "
                      "(engine/decode_steps); rerun with this version of the loop")
+  if all("engine/chunk_s" in m for m in rows) and sum(m.get("engine/decode_chunks", 0) for m in rows) > 0:
+    return _fit_gen_chunks(rows)
   keys = dict(GEN_FEATURES)
   y = np.array([m["generate_s"] for m in rows])
   cols, names = [np.ones(len(rows))], [("phase", ("phase",))]
@@ -160,7 +211,10 @@ def _fit_separated(runs, rows, skip, sharing: Sharing) -> Costs:
       k = m["step"] - 1
       if (id(r), m["step"]) in skip:
         continue
-      gen_rows.append(m | {"generate_s": m["generate_s"] * shares["gen"].get(k, 1.0)})
+      share = shares["gen"].get(k, 1.0)   # the phase's chunks are scaled alike
+      gen_rows.append(m | {"generate_s": m["generate_s"] * share,
+                           **{f"engine/{c}": m[f"engine/{c}"] * share for c in CHUNK_MOMENTS[:3]
+                              if f"engine/{c}" in m}})
       train_rows.append(m | {"train_s": m["train_s"] * shares["train"].get(k, 1.0)})
     for k, (a, b) in _spans(r, "train", "push").items():
       if r.warm <= k < r.warm + r.steps:
