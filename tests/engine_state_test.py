@@ -156,7 +156,7 @@ def test_finish_groups_waits_and_returns_every_complete_group():
   assert second.stats["decode_steps"] == 6 and second.stats["decode_chunks"] == 2
   # The per-chunk sums the simulator's fit reads: two chunks of 3 steps each, the refill in the first.
   assert second.stats["chunk_steps_sq"] == 3 * 3 + 3 * 3 and second.stats["chunk_s"] > 0
-  assert second.stats["chunk_s_x_steps"] == pytest.approx(3 * second.stats["chunk_s"])
+  assert second.stats["chunk_steps_x_s"] == pytest.approx(3 * second.stats["chunk_s"])
   assert second.stats["chunk_steps_x_refills"] == 3 * second.stats["refill_prefills"] > 0
   assert versions_of(second) == {1: 5, 2: 5}
   np.testing.assert_array_equal(second.rollout.version_bt[2:, :P + 8].max(axis=1), 7)

@@ -139,7 +139,7 @@ def test_hybrid_scores_the_reference_on_its_own_group_while_generating(runs):
   for step, gen in generate.items():
     assert any(i.step == step and i.start < gen.end for i in ref), step
   _, _, rows = runs["hybrid"]
-  assert all(r["reference_stage/early_frac"] == 1.0 for r in rows)
+  assert all(r["aux_stage/early_frac"] == 1.0 for r in rows)
   assert all(r["switch/to_generate/params_bytes"] > 0 for r in rows)   # the actor is still fused
 
 
@@ -154,7 +154,7 @@ def test_hybrid_scores_packed_rows_as_padded_ones(runs, tmp_path):
   for key in ("reward", "loss", "grad_norm", "kl", "kl_seq", "entropy"):
     assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-4), key
   ref = [i for i in load_timeline(timeline_path(workdir)).intervals if i.name == "reference"]
-  assert {i.group for i in ref} == {"aux"} and packed["reference_stage/early_frac"] == 1.0
+  assert {i.group for i in ref} == {"aux"} and packed["aux_stage/early_frac"] == 1.0
 
 
 def test_bad_hybrid_config(tmp_path):

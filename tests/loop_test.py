@@ -129,18 +129,26 @@ def _save_reward_model(path, vocab_size=96, hidden=32):
   reward_model.save_reward_model(rm_cfg, params, path)
 
 
-@pytest.mark.parametrize("mode", ["colocated", "full"])
+@pytest.mark.parametrize("mode", ["colocated", "full", "hybrid"])
 def test_learned_reward_model_adds_its_score(tmp_path, mode):
   rm_path = str(tmp_path / "rm")
   _save_reward_model(rm_path)
   cfg = tiny(**{"task.reward_model": rm_path, "task.reward_model_weight": 0.5, "run.steps": 1,
-                "fusion.mode": mode})
+                "fusion.mode": mode, **({"fusion.aux_devices": 4} if mode == "hybrid" else {})})
   loop.run(cfg, str(tmp_path / "run"))
   row = [r for r in metrics_lib.read_metrics(str(tmp_path / "run")) if "loss" in r][0]
   assert row["reward_model_score"] != 0.0
   # reward = verifier reward (format 0.1 + correct 1.0) + 0.5 * score, averaged over the batch.
   assert row["reward"] == pytest.approx(0.1 * row["format_rate"] + row["accuracy"]
                                         + 0.5 * row["reward_model_score"], abs=1e-5)
+  if mode == "hybrid":
+    # The aux stage scored every sample on the aux devices as it finished, inside the generate phase.
+    from rl_fusion_jax.timeline import load_timeline, timeline_path  # pylint: disable=g-import-not-at-top
+    data = load_timeline(timeline_path(str(tmp_path / "run")))
+    scored = [i for i in data.intervals if i.name == "reward_model" and i.step == 0]
+    gen = next(i for i in data.intervals if i.name == "generate" and i.step == 0)
+    assert scored and {i.group for i in scored} == {"aux"} and any(i.start < gen.end for i in scored)
+    assert row["aux_stage/early_frac"] == 1.0
 
 
 def test_reward_model_on_packed_rows_equals_the_padded_rows(tmp_path):

@@ -155,8 +155,8 @@ def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False,
     distributed.on_writer("prepare", resume.prepare, prior, cfg, setup.tokenizer, restored)
     programs = Programs(setup, placement)
     stack.callback(programs.verify.close)   # the verify stage's worker threads end with the run
-    if programs.ref_stage is not None:
-      stack.callback(programs.ref_stage.close)
+    if programs.aux_stage is not None:
+      stack.callback(programs.aux_stage.close)
     programs.verify.share = processes.Share.of_run()   # host scoring split by sample over the processes
     d = programs.deployment
     logging.info("mode %s: rollout mesh %s, training mesh %s (%s)", d.mode, dict(d.rollout_mesh.shape),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 
@@ -285,6 +286,14 @@ def generation_phase(programs: Programs, state, step: int, timeline: Timeline, r
   return state, result, metrics
 
 
+def begin_aux_stage(programs: Programs, ref_resting, timeline: Timeline, step: int) -> None:
+  """Hands the aux stage (``programs.aux_stage``, hybrid) this step's reference and reward-model params."""
+  stage = programs.aux_stage
+  if stage is not None:
+    stage.begin(ref_resting if stage.reference else None, timeline, step,
+                rm_params=programs.reward_model[1] if stage.reward else None)
+
+
 def guarded_update(update, *args):
   """``update(*args)`` under ``jax.transfer_guard("disallow")``: every input must already be a device array
   with the update's sharding (put there explicitly, e.g. by ``jax.device_put``, before the call), so a
@@ -455,22 +464,28 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
   if programs.packed_inputs:     # packed rows straight from the host's samples (no padded batch)
     rows, row_fields, pack_stats = _place_packed(setup, programs, rollout)
     metrics |= pack_stats
-    aux_rows = _rows_on_aux(programs, (rows.tokens_rw,) + row_fields[:2], (rows.row_b, rows.start_b, rows.length_b))
-    ref_args = (programs.packed_ref_logprobs, ref_resting) + aux_rows[:3]
-    rm_args = lambda: (programs.packed_reward_score, programs.reward_model[1]) + aux_rows
+    aux_rows = functools.cache(lambda: _rows_on_aux(programs, (rows.tokens_rw,) + row_fields[:2],
+                                                    (rows.row_b, rows.start_b, rows.length_b)))
+    ref_args = lambda: (programs.packed_ref_logprobs, ref_resting) + aux_rows()[:3]
+    rm_args = lambda: (programs.packed_reward_score, programs.reward_model[1]) + aux_rows()
   else:
     if device_rollout is None:
       device_rollout = jax.tree.map(lambda x: data.to_global(programs.mesh, x), rollout)
     device_rollout = cut_width(device_rollout, width)
-    aux_tokens = _on_aux(programs, device_rollout.tokens_bt, rollout.tokens_bt)
-    ref_args = (programs.ref_logprobs, ref_resting, aux_tokens)
+    aux_tokens = functools.cache(lambda: _on_aux(programs, device_rollout.tokens_bt, rollout.tokens_bt))
+    ref_args = lambda: (programs.ref_logprobs, ref_resting, aux_tokens())
     rm_args = lambda: programs.reward_model + (
-        aux_tokens, _on_aux(programs, None, rollout.prompt_len_b + rollout.response_len_b))
-  stage = programs.ref_stage
-  if cfg.algo.needs_reference and stage is None:
-    ref_call = _AuxCall("reference", programs, timeline, step, *ref_args)
-  if programs.reward_model is not None:
+        aux_tokens(), _on_aux(programs, None, rollout.prompt_len_b + rollout.response_len_b))
+  stage = programs.aux_stage
+  if cfg.algo.needs_reference and not (stage is not None and stage.reference):
+    ref_call = _AuxCall("reference", programs, timeline, step, *ref_args())
+  if programs.reward_model is not None and not (stage is not None and stage.reward):
     rm_call = _AuxCall("reward_model", programs, timeline, step, *rm_args())
+  stage_ref = stage_rm = None
+  if stage is not None:    # scored on the aux devices as the samples finished (the rest now)
+    with timeline.phase("aux_gather", group=d.aux_group, step=step):
+      stage_ref, stage_rm, m = stage.take(rollout, row_fields[-1] if rows is not None else None, width)
+    metrics |= m
   critic = programs.critic
   if critic is None:
     values = None
@@ -481,20 +496,19 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
   with timeline.phase("reward", group=d.train_group, step=step):
     rewards, fmt, correct, m = scored if scored is not None else score(setup, programs, rollout, problems)
     metrics |= m | {"accuracy": float(correct.mean()), "format_rate": float(fmt.mean())}
-    if rm_call is not None:
-      rm_b = np.asarray(rm_call.result())
+    if rm_call is not None or stage_rm is not None:
+      rm_b = np.asarray(rm_call.result() if rm_call is not None else distributed.fetch(stage_rm))
       rewards = (rewards + cfg.task.reward_model_weight * rm_b).astype(np.float32)
-      metrics |= rm_call.metrics | {"reward_model_score": float(rm_b.mean())}
+      metrics |= (rm_call.metrics if rm_call is not None else {}) | {"reward_model_score": float(rm_b.mean())}
     metrics["reward"] = float(rewards.mean())
   reward_s = time.perf_counter() - t0
   t0 = time.perf_counter()
-  if ref_call is not None or stage is not None:
-    if stage is not None:    # scored on the aux devices as the samples finished (the rest now)
-      with timeline.phase("reference_gather", group=d.aux_group, step=step):
-        ref_logp, m = stage.take(rollout, row_fields[-1] if rows is not None else None, width)
+  if ref_call is not None or stage_ref is not None:
+    if stage_ref is not None:
+      ref_logp = stage_ref
     else:
       ref_logp, m = ref_call.result(), ref_call.metrics
-    metrics |= m
+      metrics |= m
     if programs.aux_mesh is not programs.mesh:
       ref_logp = distributed.put(ref_logp, (rows.behaviour_logp_rw if rows is not None else device_rollout.logp_bt
                                             ).sharding)
@@ -574,8 +588,7 @@ def rl_step(setup: Setup, programs: Programs, state, ref_resting, step: int, tim
   r = setup.cfg.rollout
   t_start = time.perf_counter()
   first = step * r.num_prompts if data_position is None else data_position
-  if programs.ref_stage is not None:
-    programs.ref_stage.begin(ref_resting, timeline, step)
+  begin_aux_stage(programs, ref_resting, timeline, step)
   if setup.cfg.algo.dynamic_sampling:
     state, problems, rollout, scored, metrics = _dynamic_batch(setup, programs, state, step, timeline, first)
     state, m = train_phase(setup, programs, state, ref_resting, step, timeline, problems, rollout, scored=scored)

@@ -25,7 +25,7 @@ from rl_fusion_jax.algorithms import batch as algo_batch
 from rl_fusion_jax.config import ExperimentConfig
 from rl_fusion_jax.fusion.deployment import make_deployment
 from rl_fusion_jax.models import reward_model
-from rl_fusion_jax.orchestration import critic_stage, reference_stage
+from rl_fusion_jax.orchestration import aux_stage, critic_stage
 from rl_fusion_jax.orchestration.host_stages import VerifyStage
 from rl_fusion_jax.orchestration.setup import Setup
 from rl_fusion_jax.rollout.engine import Engine, EngineConfig
@@ -165,14 +165,14 @@ class Programs:
     # aux mesh in hybrid: the rows are copied there device to device), a critic's values and GAE too; no
     # padded batch is assembled.
     self.packed_inputs = self.packed_step is not None
-    # In hybrid the reference scores finished samples on its own devices while the actor's generate.
-    stage = (d.mode == "hybrid" and cfg.algo.needs_reference and jax.process_count() == 1)
+    # In hybrid the reference (and a reward model) score finished samples on their own devices while the
+    # actor's generate.
+    one_hybrid = d.mode == "hybrid" and jax.process_count() == 1
+    stage = one_hybrid and cfg.algo.needs_reference
     if self.packed_inputs or stage:
       self.packed_ref_logprobs = packed_step.make_packed_logprob_fn(
           model_cfg, temperature, d.aux_mesh, self.ref_param_shardings, d.train_rules,
           skip_micro=self.plan_micro if d.aux_mesh is self.mesh else 1)
-    self.ref_stage = (reference_stage.ReferenceStage(cfg, self, d.aux_group, 2 * (r.slots + r.batch_size))
-                      if stage else None)
     if self.packed_inputs:
       self.row_layout = packed_step.make_row_layout(self.mesh)
       b2 = mesh_lib.batch_sharding(self.mesh, 2)
@@ -192,10 +192,13 @@ class Programs:
                               out_shardings=(step_lib.batch_shardings(self.mesh),
                                              mesh_lib.replicated(self.mesh)))
     self.reward_model = self._reward_model(setup)
+    self.aux_stage = (aux_stage.AuxStage(cfg, self, d.aux_group, 2 * (r.slots + r.batch_size), reference=stage,
+                                         reward=one_hybrid and self.reward_model is not None)
+                      if stage or (one_hybrid and self.reward_model is not None) else None)
     self.verify = VerifyStage(setup.train_task, setup.tokenizer, r.group_size, cfg.task.verify_workers)
     self.engine.on_finished = self.verify.submit
-    if self.ref_stage is not None:
-      stages = (self.verify.submit, self.ref_stage.submit)
+    if self.aux_stage is not None:
+      stages = (self.verify.submit, self.aux_stage.submit)
       self.engine.on_finished = lambda rollout, group_id_b: [f(rollout, group_id_b) for f in stages]
 
   def _several_updates(self, cfg: ExperimentConfig, model_cfg, temperature: float, d) -> None:

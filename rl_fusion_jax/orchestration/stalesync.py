@@ -97,8 +97,8 @@ class StaleSync:
     for g in stale:
       self.queue.drop(list(waiting[g].indices), reason="stale")
       self.programs.verify.forget(list(waiting[g].indices))        # queue indices are sample ids
-      if self.programs.ref_stage is not None:
-        self.programs.ref_stage.forget(list(waiting[g].indices))
+      if self.programs.aux_stage is not None:
+        self.programs.aux_stage.forget(list(waiting[g].indices))
     self.counters["discarded_groups"] += len(stale)
     return len(stale)
 
@@ -190,8 +190,7 @@ class StaleSync:
   def step(self, state, ref_resting, step: int, timeline: Timeline):
     """One StaleSync step at learner version ``step``; returns (state, metrics)."""
     t_start = time.perf_counter()
-    if self.programs.ref_stage is not None:
-      self.programs.ref_stage.begin(ref_resting, timeline, step)
+    phases.begin_aux_stage(self.programs, ref_resting, timeline, step)
     added = self._top_up()
     discarded = self._discard_stale(step)
     state, metrics = self._generate(state, step, timeline)

@@ -634,8 +634,9 @@ class Engine:
 # A chunk's wall seconds (``_chunk``: inputs, dispatch, the previous chunk's rows, the control fetch and
 # the host's bookkeeping) against its decode steps and refills, kept as the sums a least-squares fit over
 # the chunks needs (with ``decode_chunks``, ``decode_steps`` and ``refill_prefills``): per-chunk costs are
-# then identifiable from runs whose phases all have the same counts (``sim/fit.py``).
-CHUNK_MOMENTS = ("chunk_s", "chunk_s_x_steps", "chunk_s_x_refills", "chunk_steps_sq", "chunk_steps_x_refills",
+# then identifiable from runs whose phases all have the same counts (``sim/fit.py``). The sums that hold seconds
+# end in ``_s``, so they count as timings (``processes.is_timing``: they differ between runs and processes).
+CHUNK_MOMENTS = ("chunk_s", "chunk_steps_x_s", "chunk_refills_x_s", "chunk_steps_sq", "chunk_steps_x_refills",
                  "chunk_refills_sq")
 
 

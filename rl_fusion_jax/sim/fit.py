@@ -67,7 +67,7 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 # The engine's per-chunk sums (``rollout/engine.py::CHUNK_MOMENTS``; this module imports no JAX, so the
 # names are repeated here and tests/sim_test.py checks the two agree): a chunk's wall seconds s, its decode
 # steps n and in-chunk refills r, summed per rollout phase as s, s*n, s*r, n*n, n*r, r*r.
-CHUNK_MOMENTS = ("chunk_s", "chunk_s_x_steps", "chunk_s_x_refills", "chunk_steps_sq", "chunk_steps_x_refills",
+CHUNK_MOMENTS = ("chunk_s", "chunk_steps_x_s", "chunk_refills_x_s", "chunk_steps_sq", "chunk_steps_x_refills",
                  "chunk_refills_sq")
 
 
@@ -97,7 +97,7 @@ def _fit_gen_chunks(rows: list[dict]) -> GenCost:
   n, steps, refills = total("engine/decode_chunks"), total("engine/decode_steps"), total("engine/refill_prefills")
   ss, sr, rr = (total(f"engine/{k}") for k in ("chunk_steps_sq", "chunk_steps_x_refills", "chunk_refills_sq"))
   gram = np.array([[n, steps, refills], [steps, ss, sr], [refills, sr, rr]])
-  rhs = np.array([total(f"engine/{k}") for k in ("chunk_s", "chunk_s_x_steps", "chunk_s_x_refills")])
+  rhs = np.array([total(f"engine/{k}") for k in ("chunk_s", "chunk_steps_x_s", "chunk_refills_x_s")])
   varies = lambda s1, s2: s2 / n - (s1 / n) ** 2 > 1e-9 * max(1.0, (s1 / n) ** 2)
   keep = [0] + [j for j, (s1, s2) in ((1, (steps, ss)), (2, (refills, rr))) if varies(s1, s2)]
   a, b, c = _nnls_normal(gram, rhs, keep)

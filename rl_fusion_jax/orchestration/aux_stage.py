@@ -1,24 +1,26 @@
-"""The reference model as a stage that consumes finished samples: in ``hybrid`` it scores them on its own
-devices while the actor's devices are still generating.
+"""The aux models as a stage that consumes finished samples: in ``hybrid`` the reference model and the
+learned reward model score them on their own devices while the actor's devices are still generating.
 
 The engine reports each batch of newly finished samples after a decode chunk (``Engine.on_finished``,
-beside the verify stage). :class:`ReferenceStage` sends them to the aux mesh as a packed byte stream
-(``packed_step.place_rows``), computes the reference's log-probs of the packed rows there, and scatters
-each sample's log-probs into a row of a per-sample buffer on the aux devices (``[capacity, seq_len]``,
-float32), all dispatched without waiting: the aux devices work while the rollout devices decode the next
-chunk. The train phase then asks for its batch (``take``): samples not scored yet (none were finished
-in this run: a resume, or evicted from a full buffer) are scored on the spot, and one gather builds the
-update's reference log-probs in the update's own layout (packed rows or padded rows), on the aux mesh.
+beside the verify stage). :class:`AuxStage` sends them to the aux mesh as a packed byte stream
+(``packed_step.place_rows``, once for both models) and computes there the reference's log-probs of the
+packed rows and the reward model's score of each sample (``reward_model.packed_score``), scattering each
+sample's log-probs into a row of a per-sample buffer (``[capacity, seq_len]``, float32) and its score into
+a per-sample vector (``[capacity]``), all dispatched without waiting: the aux devices work while the
+rollout devices decode the next chunk. The train phase then asks for its batch (``take``): samples not
+scored yet (none were finished in this run: a resume, or evicted from a full buffer) are scored on the
+spot, and one gather builds the update's reference log-probs in the update's own layout (packed rows or
+padded rows) and another the batch's scores, on the aux mesh.
 
 Every shape is bucketed: a chunk's samples pad to a power of two (zero-length samples take no row), its
-rows to the chunk row buckets, so the stage compiles a few programs, none per chunk. The buffer holds
-``capacity`` samples; when it is full the oldest entries are evicted (scored again if asked for), so a
+rows to the chunk row buckets, so the stage compiles a few programs, none per chunk. The buffers hold
+``capacity`` samples; when they are full the oldest entries are evicted (scored again if asked for), so a
 result never depends on what was kept. Samples that will never be trained (StaleSync's stale groups)
 are released by ``forget``.
 
-Active in ``fusion.mode=hybrid`` with a reference model, in one process (across processes every
-process would have to dispatch the stage's programs in the same order; the train phase's reference call
-serves them as before).
+Active in ``fusion.mode=hybrid`` with a reference model or a reward model, in one process (across
+processes every process would have to dispatch the stage's programs in the same order; the train phase's
+calls serve them as before).
 """
 from __future__ import annotations
 
@@ -47,6 +49,10 @@ def _scatter(buffer_ct, logp_rw, row_k, start_k, length_k, dest_k):
   return buffer_ct.at[dest_k].set(values_kt, mode="drop")
 
 
+def _scatter_scores(scores_c, score_k, dest_k):
+  return scores_c.at[dest_k].set(score_k, mode="drop")
+
+
 def _gather_packed(buffer_ct, slot_b, row_b, start_b, length_b, *, num_rows: int, width: int):
   """The buffer rows of samples ``slot_b`` laid out as packed rows [num_rows, width] (0 outside them)."""
   k_rw, pos_rw, inside = packed_step.covering(num_rows, width, row_b, start_b, length_b)
@@ -57,39 +63,49 @@ def _gather_padded(buffer_ct, slot_b, *, width: int):
   return buffer_ct[slot_b, :width]
 
 
-class ReferenceStage:
-  """Reference log-probs of finished samples, computed on the aux mesh as they finish."""
+class AuxStage:
+  """Reference log-probs and reward-model scores of finished samples, computed on the aux mesh as they
+  finish. ``reference`` / ``reward``: which of the two it computes (``programs.packed_ref_logprobs`` and
+  ``programs.packed_reward_score`` are their programs)."""
 
-  def __init__(self, cfg, programs, timeline_group: str, capacity: int):
+  def __init__(self, cfg, programs, timeline_group: str, capacity: int, *, reference: bool = True,
+               reward: bool = False):
+    if not (reference or reward):
+      raise ValueError("AuxStage: give it the reference, the reward model or both")
     r = cfg.rollout
+    self.reference, self.reward = reference, reward
     self.mesh, self.seq_len, self.capacity = programs.aux_mesh, r.seq_len, capacity
     self.vocab_size = cfg.model.config.vocab_size
     self.max_span = cfg.stalesync.max_staleness if cfg.stalesync.enabled else 0
-    self.logprobs = programs.packed_ref_logprobs
+    self.logprobs = programs.packed_ref_logprobs if reference else None
+    self.score_fn = programs.packed_reward_score if reward else None
     self.row_layout = packed_step.make_row_layout(self.mesh)
     self.shards = mesh_lib.batch_shards(self.mesh)
     self.group = timeline_group
     rep = self._rep = mesh_lib.replicated(self.mesh)
     self._scatter = jax.jit(_scatter, out_shardings=rep, donate_argnums=(0,))
-    self.buffer = jax.device_put(np.zeros((capacity, self.seq_len), np.float32), rep)
+    self._scatter_scores = jax.jit(_scatter_scores, out_shardings=rep, donate_argnums=(0,))
+    self.buffer = jax.device_put(np.zeros((capacity, self.seq_len), np.float32), rep) if reference else None
+    self.scores = jax.device_put(np.zeros((capacity,), np.float32), rep) if reward else None
     self.slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()   # sample id -> row, oldest first
     self.free = list(range(capacity))[::-1]
-    self.params = None
+    self.params = self.rm_params = None
     self.timeline: Timeline | None = None
     self.step = 0
     self.scored = 0
-    self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reference-ready")
+    self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aux-ready")
 
-  def begin(self, params, timeline: Timeline, step: int) -> None:
-    """The reference params (on the aux mesh) and where to record the stage's intervals, for this step."""
-    self.params, self.timeline, self.step = params, timeline, step
+  def begin(self, params, timeline: Timeline, step: int, rm_params=None) -> None:
+    """The reference params and the reward model's (on the aux mesh; each None where the stage does not
+    compute it) and where to record the stage's intervals, for this step."""
+    self.params, self.rm_params, self.timeline, self.step = params, rm_params, timeline, step
 
   # -- producer side (the engine's listener) --------------------------------------------------------
 
   def submit(self, rollout: Rollout, group_id_b=None) -> None:
-    """Dispatches the reference's log-probs of finished samples (host arrays); a no-op before ``begin``."""
+    """Dispatches the stage's models on finished samples (host arrays); a no-op before ``begin``."""
     del group_id_b
-    if self.params is None:
+    if (self.reference and self.params is None) or (self.reward and self.rm_params is None):
       return
     new = [i for i, s in enumerate(np.asarray(rollout.sample_id_b)) if int(s) not in self.slot_of]
     if new:
@@ -111,17 +127,25 @@ class ReferenceStage:
                                        prompt_len_b=prompt, vocab_size=self.vocab_size, max_version_span=self.max_span)
     start = self.timeline.now() if self.timeline is not None else 0.0
     positions, segments, _, _ = self.row_layout(placed)
-    logp_rw = self.logprobs(self.params, placed.tokens_rw, positions, segments)
     dest = np.full((kmax,), self.capacity, np.int32)
     for j, i in enumerate(rows):
       dest[j] = self._slot(int(rollout.sample_id_b[i]), keep)
-    self.buffer = self._scatter(self.buffer, logp_rw, placed.row_b, placed.start_b, placed.length_b,
-                                jax.device_put(dest, self._rep))
+    dest = jax.device_put(dest, self._rep)
+    if self.reference:
+      logp_rw = self.logprobs(self.params, placed.tokens_rw, positions, segments)
+      self.buffer = self._scatter(self.buffer, logp_rw, placed.row_b, placed.start_b, placed.length_b, dest)
+    if self.reward:
+      score_k = self.score_fn(self.rm_params, placed.tokens_rw, positions, segments, placed.row_b,
+                              placed.start_b, placed.length_b)
+      self.scores = self._scatter_scores(self.scores, score_k, dest)
     self.scored += k
     if self.timeline is not None:
       timeline, step, group = self.timeline, self.step, self.group
-      done = self._waiter.submit(lambda out: (jax.block_until_ready(out), timeline.now())[1], self.buffer)
-      done.add_done_callback(lambda f: timeline.record("reference", start, f.result(), group=group, step=step))
+      names = [n for n, on in (("reference", self.reference), ("reward_model", self.reward)) if on]
+      done = self._waiter.submit(lambda out: (jax.block_until_ready(out), timeline.now())[1],
+                                 (self.buffer, self.scores))
+      done.add_done_callback(lambda f: [timeline.record(n, start, f.result(), group=group, step=step)
+                                        for n in names])
 
   def _slot(self, sample_id: int, keep) -> int:
     if not self.free:                      # full: evict the oldest (asked for later, it is scored again)
@@ -141,28 +165,37 @@ class ReferenceStage:
   # -- consumer side ----------------------------------------------------------------------------------
 
   def take(self, rollout: Rollout, layout: packing.Layout | None, width: int):
-    """The reference log-probs of ``rollout``'s samples (host, in batch order) on the aux mesh: packed rows
-    laid out as ``layout`` ([R, W], batch-sharded), or with ``layout`` None padded rows [B, width]. Samples
-    not scored yet are scored first; every sample's buffer row is released after."""
+    """(reference log-probs, reward-model scores, metrics) of ``rollout``'s samples (host, in batch order)
+    on the aux mesh, each None where the stage does not compute it. The log-probs as packed rows laid out as
+    ``layout`` ([R, W], batch-sharded), or with ``layout`` None padded rows [B, width]; the scores [B],
+    replicated. Samples not scored yet are scored first; every sample's buffer row is released after."""
     ids = [int(s) for s in np.asarray(rollout.sample_id_b)]
     missing = np.asarray([i for i, s in enumerate(ids) if s not in self.slot_of])
     found = len(ids) - len(missing)
     if len(ids) > self.capacity:
-      raise ValueError(f"reference stage: a batch of {len(ids)} samples; the buffer holds {self.capacity}")
+      raise ValueError(f"aux stage: a batch of {len(ids)} samples; the buffer holds {self.capacity}")
     if len(missing):
       self._score(rollout, missing, keep=frozenset(ids))
     slot_b = jax.device_put(np.asarray([self.slot_of[s] for s in ids], np.int32), self._rep)
-    if layout is None:
-      out = _padded_fn(self.mesh, width)(self.buffer, slot_b)
-    else:
+    ref = scores = None
+    if self.reference and layout is None:
+      ref = _padded_fn(self.mesh, width)(self.buffer, slot_b)
+    elif self.reference:
       per_sample = jax.device_put(tuple(np.asarray(x, np.int32) for x in (layout.row_b, layout.start_b,
                                                                          layout.length_b)), self._rep)
-      out = _packed_fn(self.mesh, layout.num_rows, layout.width)(self.buffer, slot_b, *per_sample)
+      ref = _packed_fn(self.mesh, layout.num_rows, layout.width)(self.buffer, slot_b, *per_sample)
+    if self.reward:
+      scores = _take_fn(self.mesh)(self.scores, slot_b)
     self.forget(ids)
-    return out, {"reference_stage/early_frac": found / max(1, len(ids))}
+    return ref, scores, {"aux_stage/early_frac": found / max(1, len(ids))}
 
   def close(self) -> None:
     self._waiter.shutdown(wait=True)
+
+
+@functools.lru_cache(maxsize=32)
+def _take_fn(mesh):
+  return jax.jit(lambda scores_c, slot_b: scores_c[slot_b], out_shardings=mesh_lib.replicated(mesh))
 
 
 @functools.lru_cache(maxsize=32)

@@ -1,6 +1,8 @@
-"""The reference stage (hybrid): log-probs of samples scored as they finish, in chunks, equal the
-reference's log-probs of the whole batch in the update's layout (packed or padded); samples never scored
-or evicted from a full buffer are scored when asked for; forgotten samples free their rows."""
+"""The aux stage (hybrid): reference log-probs and reward-model scores of samples scored as they finish, in
+chunks, equal the reference's log-probs of the whole batch in the update's layout (packed or padded) and the
+reward model's scores of the whole batch; samples never scored or evicted from a full buffer are scored when
+asked for; forgotten samples free their rows."""
+import functools
 import types
 
 import jax
@@ -10,7 +12,9 @@ import pytest
 from rl_fusion_jax import config as config_lib
 from rl_fusion_jax import models
 from rl_fusion_jax.config import MeshConfig
-from rl_fusion_jax.orchestration.reference_stage import ReferenceStage
+from rl_fusion_jax.models import ModelConfig, reward_model
+from rl_fusion_jax.orchestration.aux_stage import AuxStage
+from rl_fusion_jax.sharding import mesh as mesh_lib
 from rl_fusion_jax.sharding.mesh import make_mesh
 from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
 from rl_fusion_jax.testing.tiny import tiny_model_config
@@ -33,7 +37,7 @@ def _setup(capacity: int):
                               mesh, TRAIN_RULES)
   params = jax.device_put(models.init_params(cfg.model.config, jax.random.key(1)), shardings)
   fn = packed_step.make_packed_logprob_fn(cfg.model.config, 1.0, mesh, shardings)
-  stage = ReferenceStage(cfg, types.SimpleNamespace(aux_mesh=mesh, packed_ref_logprobs=fn), "all", capacity)
+  stage = AuxStage(cfg, types.SimpleNamespace(aux_mesh=mesh, packed_ref_logprobs=fn), "all", capacity)
   return cfg, mesh, params, fn, stage
 
 
@@ -65,8 +69,9 @@ def test_chunks_scored_early_equal_the_batch_scored_at_once(packed):
   assert stage.scored == 16
   lengths = batch.prompt_len_b + batch.response_len_b
   layout = packing.plan(lengths, SEQ_LEN, packing.row_buckets(16, 2, per_doubling=2), groups=2)
-  got, metrics = stage.take(batch, layout if packed else None, SEQ_LEN)
-  assert metrics == {"reference_stage/early_frac": 1.0} and not stage.slot_of and len(stage.free) == 64
+  got, scores, metrics = stage.take(batch, layout if packed else None, SEQ_LEN)
+  assert scores is None
+  assert metrics == {"aux_stage/early_frac": 1.0} and not stage.slot_of and len(stage.free) == 64
   rows, _ = packed_step.place_rows(mesh, layout, tokens_bt=batch.tokens_bt, behaviour_logp_bt=batch.logp_bt,
                                    version_bt=batch.version_bt, prompt_len_b=batch.prompt_len_b, vocab_size=128)
   positions, segments, _, mask = packed_step.make_row_layout(mesh)(rows)
@@ -93,8 +98,8 @@ def test_evicted_and_unscored_samples_are_scored_when_asked_for():
   # 100, 102 and 109 are scored now, evicting the two samples outside the batch, never the batch's own.
   lengths = batch.prompt_len_b + batch.response_len_b
   layout = packing.plan(lengths, SEQ_LEN, packing.row_buckets(10, 2, per_doubling=2), groups=2)
-  got, metrics = stage.take(batch, layout, SEQ_LEN)
-  assert metrics["reference_stage/early_frac"] == pytest.approx(7 / 10) and not stage.slot_of
+  got, _, metrics = stage.take(batch, layout, SEQ_LEN)
+  assert metrics["aux_stage/early_frac"] == pytest.approx(7 / 10) and not stage.slot_of
   rows, _ = packed_step.place_rows(mesh, layout, tokens_bt=batch.tokens_bt, behaviour_logp_bt=batch.logp_bt,
                                    version_bt=batch.version_bt, prompt_len_b=batch.prompt_len_b, vocab_size=128)
   positions, segments, _, _ = packed_step.make_row_layout(mesh)(rows)
@@ -102,3 +107,38 @@ def test_evicted_and_unscored_samples_are_scored_when_asked_for():
                              rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="buffer holds 10"):
     stage.take(_samples(12, cfg.model.config.vocab_size), None, SEQ_LEN)
+
+
+def test_reward_model_scores_early_equal_the_batch_scored_at_once():
+  # The reward model alone (no reference: e.g. kl_coef 0): each chunk's samples scored as they finish give
+  # the scores of the whole batch scored at once by the padded reward model, in batch order; a sample
+  # evicted from the full buffer is scored again when asked for.
+  cfg, mesh, _, _, _ = _setup(capacity=12)
+  rm_cfg = ModelConfig(vocab_size=cfg.model.config.vocab_size, hidden_size=32, num_layers=1, num_heads=2,
+                       num_kv_heads=1, intermediate_size=32, max_position_embeddings=32)
+  rm_params = jax.device_put(reward_model.init_reward_params(rm_cfg, jax.random.key(3), init_std=0.5),
+                             mesh_lib.replicated(mesh))
+  score = jax.jit(functools.partial(reward_model.packed_score, rm_cfg))
+  stage = AuxStage(cfg, types.SimpleNamespace(aux_mesh=mesh, packed_reward_score=score), "all", 12,
+                   reference=False, reward=True)
+  batch = _samples(10, cfg.model.config.vocab_size, seed=5)
+  others = _samples(3, cfg.model.config.vocab_size, seed=6).replace(sample_id_b=np.array([300, 301, 302], np.int32))
+  stage.submit(batch)                                     # before begin: nothing is scored
+  assert stage.scored == 0
+  stage.begin(None, None, 0, rm_params=rm_params)
+  for idx in (np.arange(0, 4), np.arange(4, 10)):
+    stage.submit(_part(batch, idx))
+  stage.submit(others)                                    # 13 into 12: the batch's first sample is evicted
+  assert 100 not in stage.slot_of
+  ref, got, metrics = stage.take(batch, None, SEQ_LEN)
+  assert ref is None and metrics["aux_stage/early_frac"] == pytest.approx(9 / 10)
+  lengths = batch.prompt_len_b + batch.response_len_b
+  want = np.asarray(reward_model.score(rm_cfg, rm_params, batch.tokens_bt, lengths))
+  np.testing.assert_allclose(np.asarray(jax.device_get(got)), want, rtol=1e-5, atol=1e-5)
+  assert np.ptp(want) > 1e-3     # the samples' scores differ: a mix-up of the order would show
+
+
+def test_stage_needs_a_model():
+  cfg, mesh, _, _, _ = _setup(capacity=4)
+  with pytest.raises(ValueError, match="reference, the reward model or both"):
+    AuxStage(cfg, types.SimpleNamespace(aux_mesh=mesh), "all", 4, reference=False, reward=False)
