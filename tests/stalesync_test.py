@@ -70,6 +70,53 @@ def test_every_generated_group_is_trained_waiting_or_counted(stale_run):
       last["stalesync/trained_groups_total"] + last["stalesync/discarded_groups_total"] + waiting_groups)
 
 
+def test_a_sample_is_ready_for_the_trainer_once_the_reward_stage_scored_it():
+  import types  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from rl_fusion_jax.queue.distqueue import Packed  # pylint: disable=g-import-not-at-top
+  queue = stalesync.make_queue(types.SimpleNamespace(cfg=stale(1, 0.5)), stalesync.SCORE_FIELDS)
+  n = np.array([3, 2])
+  queue.put(np.array([4, 5]), tokens=Packed(np.arange(5, dtype=np.int32), n),
+            logp=Packed(np.zeros(5, np.float32), n), version=Packed(np.zeros(5, np.int32), n),
+            prompt_len=[2, 1], response_len=[1, 1], finished=[True, True], sample_id=[4, 5], group_id=[2, 2],
+            min_version=[0, 0])
+  assert queue.ready(stalesync.CONSUMER).tolist() == []           # generated, not scored yet
+  for name, values in (("reward", [1.1, 0.1]), ("format_ok", [True, True]), ("correct", [True, False])):
+    queue.write(name, [4, 5], values)
+  assert queue.ready(stalesync.CONSUMER).tolist() == [4, 5]
+  batch = queue.read(stalesync.CONSUMER, [4, 5])
+  assert batch["reward"].tolist() == pytest.approx([1.1, 0.1]) and batch["correct"].tolist() == [True, False]
+
+
+def test_waiting_samples_hold_the_verifiers_scores(monkeypatch, tmp_path):
+  # The reward stage writes each finished group's scores into the queue; those of the samples still
+  # waiting at the end of a run are the verifier's scores of their decoded responses.
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from rl_fusion_jax.orchestration import data  # pylint: disable=g-import-not-at-top
+  from rl_fusion_jax.rewards.base import score_batch  # pylint: disable=g-import-not-at-top
+  seen, real = [], stalesync.StaleSync.step
+
+  def spy(self, *args):
+    seen.append(self)
+    return real(self, *args)
+
+  monkeypatch.setattr(stalesync.StaleSync, "step", spy)
+  loop.run(stale(1, 0.5, **{"run.steps": 2}), str(tmp_path / "run"))
+  schedule = seen[-1]
+  waiting = schedule.queue.ready(stalesync.CONSUMER)
+  assert len(waiting) > 0
+  got = schedule.queue.peek(waiting, ("reward", "format_ok", "correct", "group_id"))
+  batch = schedule.queue.read(stalesync.CONSUMER, waiting)
+  rollout = stalesync.host_rollout([batch], 32)
+  texts = data.decode_responses(schedule.setup.tokenizer, rollout.tokens_bt, rollout.prompt_len_b,
+                                rollout.response_len_b)
+  want = score_batch(schedule.setup.train_task, [schedule.setup.train_task.problem(int(g)) for g in got["group_id"]],
+                     texts)
+  assert len(set(np.asarray(want[0]).tolist())) > 1      # scores that differ: a sample mix-up would show
+  np.testing.assert_allclose(got["reward"], want[0])
+  assert got["format_ok"].tolist() == list(want[1]) and got["correct"].tolist() == list(want[2])
+
+
 class Crash(Exception):
   pass
 

@@ -81,7 +81,7 @@ ROLLOUT, TRAIN = 0, 1                     # process index of each side
 ROLES = ("rollout", "train")
 TRANSPORTS = ("collective", "kv")
 PREFIX = "separated"                      # key-value namespace of a run
-SCORE_FIELDS = (("reward", np.float32), ("format_ok", np.bool_), ("correct", np.bool_))
+SCORE_FIELDS = stalesync.SCORE_FIELDS
 
 
 # ----------------------------------------------------------------------------------------------------

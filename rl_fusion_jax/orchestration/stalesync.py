@@ -8,10 +8,13 @@ One step of ``StaleSync.step``:
      finished groups AND every in-flight group whose oldest token has version <= L - s has finished
      (it would exceed the bound s after this update). Everything else stays in flight and continues in
      the next phase under the new weights (the engine's partial rollout);
-  3. the finished groups enter the DistQueue, packed (no padding stored);
+  3. the finished groups enter the DistQueue, packed (no padding stored), and the reward stage writes
+     their scores into it (``SCORE_FIELDS``: the verify stage scored most of them while they were
+     generated); the trainer, the queue's consumer, needs both, so a sample is ready for it once scored;
   4. admission (``queue.staleness.admit``): the oldest ``num_prompts`` groups within the bound, read from
      the queue and restored to fixed-width rows; the rest wait for the next update;
-  5. the common train phase (reward, reference, advantages, update, publish).
+  5. the common train phase (reward shaping, reference, advantages, update, publish) on the rows and
+     scores read from the queue.
 
 Phase boundaries depend only on sample counts and versions, never on wall-clock, so a run is reproducible
 for a fixed seed. With s = 0 (then f = 1) every started group must finish in its phase and the batch is
@@ -36,6 +39,9 @@ from rl_fusion_jax.types import Rollout
 TOKEN_FIELDS = (("tokens", np.int32), ("logp", np.float32), ("version", np.int32))
 SAMPLE_FIELDS = (("prompt_len", np.int32), ("response_len", np.int32), ("finished", np.bool_),
                  ("sample_id", np.int32), ("group_id", np.int32), ("min_version", np.int32))
+# Written by the reward stage once the verifier scored a sample (here after each rollout phase; in the
+# separated deployment by the rollout side before it ships the batch).
+SCORE_FIELDS = (("reward", np.float32), ("format_ok", np.bool_), ("correct", np.bool_))
 CONSUMER = "train"
 PADS = {"tokens": 0, "logp": 0.0, "version": -1}   # what a fixed-width row holds past its length
 
@@ -68,7 +74,9 @@ class StaleSync:
     self.setup, self.programs = setup, programs
     self.cfg, self.r, self.s = setup.cfg.stalesync, setup.cfg.rollout, setup.cfg.stalesync.max_staleness
     self.data_position = data_position
-    self.queue = queue or make_queue(setup)
+    self.queue = queue or make_queue(setup, SCORE_FIELDS)
+    # A queue saved before the scores were fields of it: its samples are scored at train time, as then.
+    self.scores_in_queue = "reward" in self.queue.fields
     self.counters = {"discarded_groups": 0, "trained_groups": 0, "generated_groups": 0, **(counters or {})}
 
   # -- host bookkeeping ------------------------------------------------------------------------------
@@ -115,8 +123,25 @@ class StaleSync:
                    sample_id=rollout.sample_id_b, group_id=rollout.sample_id_b // self.r.group_size,
                    min_version=min_version, block=False)
 
-  def _read(self, indices) -> tuple[Rollout, Rollout]:
-    """The admitted samples, sorted by sample id: (host Rollout, device Rollout on the training mesh).
+  def _score(self, rollout: Rollout, step: int, timeline: Timeline) -> dict[str, float]:
+    """The reward stage: the verifier's scores of finished groups (``rollout``: complete groups) written
+    into the queue (``SCORE_FIELDS``); most were computed while the samples were generated."""
+    rollout = phases.by_sample_id(rollout)
+    g = self.r.group_size
+    groups = rollout.sample_id_b[::g] // g
+    if len(rollout.sample_id_b) % g or np.any(rollout.sample_id_b // g != np.repeat(groups, g)):
+      raise RuntimeError("StaleSync: the rollout phase returned a group in part")
+    with timeline.phase("reward", group=self.programs.deployment.train_group, step=step):
+      rewards, fmt, correct, m = self.programs.verify.scores(
+          rollout, [self.setup.train_task.problem(int(k)) for k in groups])
+      ids = rollout.sample_id_b.astype(np.int64)
+      for name, values in zip(("reward", "format_ok", "correct"), (rewards, fmt, correct)):
+        self.queue.write(name, ids, values, block=False)
+    return m
+
+  def _read(self, indices) -> tuple[Rollout, Rollout, dict]:
+    """The admitted samples, sorted by sample id: (host Rollout, device Rollout on the training mesh, their
+    ``SCORE_FIELDS`` read from the queue in the same order, empty for a queue without them).
 
     The device batch is built by ``queue_arrays``: one queue read per data-parallel group of this
     process's devices, each group's rows padded from their packed form on their own (no padded copy of
@@ -130,10 +155,13 @@ class StaleSync:
     order = np.sort(np.asarray(indices, np.int64))
     lengths = self.queue.peek(order, ("prompt_len", "response_len"))
     width = phases.batch_width(self.setup.cfg, lengths["prompt_len"] + lengths["response_len"])
+    scores = lambda reads: {n: np.concatenate([b.sample[n] for b in reads]) for n, _ in SCORE_FIELDS
+                            if self.scores_in_queue}
     if self.programs.packed_inputs:
       # The packed update places its rows from the host samples itself (``phases.train_phase``): one read,
       # no padded device batch.
-      return host_rollout([self.queue.read(CONSUMER, order)], width), None
+      batch = self.queue.read(CONSUMER, order)
+      return host_rollout([batch], width), None, scores([batch])
     reads: list[Batch] = []
 
     def read(part):
@@ -151,7 +179,7 @@ class StaleSync:
       reads += [self.queue.read(CONSUMER, part, counted=False) for part in _runs(others, order)]
     reads.sort(key=lambda b: int(b.indices[0]))
     host = host_rollout(reads, width)
-    return host, device
+    return host, device, scores(reads)
 
   # -- one step ----------------------------------------------------------------------------------------
 
@@ -169,6 +197,8 @@ class StaleSync:
     state, result, metrics = phases.generation_phase(self.programs, state, step, timeline, run)
     if len(result.rollout.sample_id_b):
       self._put(result.rollout)
+      if self.scores_in_queue:
+        metrics |= self._score(result.rollout, step, timeline)
     finished = result.rollout.response_len_b
     self.counters["generated_groups"] += len(finished) // self.r.group_size
     return state, metrics | {"stalesync/rollout_skipped": 0.0, "stalesync/forced_groups": float(len(at_risk)),
@@ -196,10 +226,14 @@ class StaleSync:
     state, metrics = self._generate(state, step, timeline)
     groups, indices, adm_metrics = self._admit(step)
     depth_before = self.queue.stats().get("depth", 0.0)
-    rollout, device_rollout = self._read(indices)
+    rollout, device_rollout, read_scores = self._read(indices)
     problems = [self.setup.train_task.problem(g) for g in groups]
+    scored = None
+    if read_scores:
+      rewards, shaped = phases.shape_rewards(self.setup.cfg, rollout, read_scores["reward"])
+      scored = (rewards, read_scores["format_ok"], read_scores["correct"], shaped)
     state, m = phases.train_phase(self.setup, self.programs, state, ref_resting, step, timeline, problems,
-                                  rollout, device_rollout)
+                                  rollout, device_rollout, scored=scored)
     self.counters["trained_groups"] += len(groups)
     versions = [rollout.version_bt[b, p:p + n] for b, (p, n) in
                 enumerate(zip(rollout.prompt_len_b, rollout.response_len_b))]
