@@ -18,9 +18,11 @@ rows to the chunk row buckets, so the stage compiles a few programs, none per ch
 result never depends on what was kept. Samples that will never be trained (StaleSync's stale groups)
 are released by ``forget``.
 
-Active in ``fusion.mode=hybrid`` with a reference model or a reward model, in one process (across
-processes every process would have to dispatch the stage's programs in the same order; the train phase's
-calls serve them as before).
+Active in ``fusion.mode=hybrid`` with a reference model or a reward model, in one process or several:
+the engine reports the same finished samples in the same order on every process (its host state is
+replicated), so every process dispatches the stage's programs in the same order, as SPMD programs need.
+The stage blocks on its buffers every ``BLOCK_EVERY`` chunks it scores: XLA:CPU deadlocked with more than
+about 32 multi-device programs in flight (DESIGN.md), and each chunk dispatches about five.
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ from rl_fusion_jax.sharding import mesh as mesh_lib
 from rl_fusion_jax.timeline import Timeline
 from rl_fusion_jax.train import packed_step, packing
 from rl_fusion_jax.types import Rollout
+
+BLOCK_EVERY = 4
 
 
 def _scatter(buffer_ct, logp_rw, row_k, start_k, length_k, dest_k):
@@ -92,7 +96,7 @@ class AuxStage:
     self.params = self.rm_params = None
     self.timeline: Timeline | None = None
     self.step = 0
-    self.scored = 0
+    self.scored = self._dispatched = 0
     self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aux-ready")
 
   def begin(self, params, timeline: Timeline, step: int, rm_params=None) -> None:
@@ -139,6 +143,9 @@ class AuxStage:
                               placed.start_b, placed.length_b)
       self.scores = self._scatter_scores(self.scores, score_k, dest)
     self.scored += k
+    self._dispatched += 1
+    if self._dispatched % BLOCK_EVERY == 0:
+      jax.block_until_ready((self.buffer, self.scores))
     if self.timeline is not None:
       timeline, step, group = self.timeline, self.step, self.group
       names = [n for n, on in (("reference", self.reference), ("reward_model", self.reward)) if on]

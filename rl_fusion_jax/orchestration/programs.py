@@ -167,8 +167,8 @@ class Programs:
     self.packed_inputs = self.packed_step is not None
     # In hybrid the reference (and a reward model) score finished samples on their own devices while the
     # actor's generate.
-    one_hybrid = d.mode == "hybrid" and jax.process_count() == 1
-    stage = one_hybrid and cfg.algo.needs_reference
+    hybrid = d.mode == "hybrid"
+    stage = hybrid and cfg.algo.needs_reference
     if self.packed_inputs or stage:
       self.packed_ref_logprobs = packed_step.make_packed_logprob_fn(
           model_cfg, temperature, d.aux_mesh, self.ref_param_shardings, d.train_rules,
@@ -193,8 +193,8 @@ class Programs:
                                              mesh_lib.replicated(self.mesh)))
     self.reward_model = self._reward_model(setup)
     self.aux_stage = (aux_stage.AuxStage(cfg, self, d.aux_group, 2 * (r.slots + r.batch_size), reference=stage,
-                                         reward=one_hybrid and self.reward_model is not None)
-                      if stage or (one_hybrid and self.reward_model is not None) else None)
+                                         reward=hybrid and self.reward_model is not None)
+                      if stage or (hybrid and self.reward_model is not None) else None)
     self.verify = VerifyStage(setup.train_task, setup.tokenizer, r.group_size, cfg.task.verify_workers)
     self.engine.on_finished = self.verify.submit
     if self.aux_stage is not None:
