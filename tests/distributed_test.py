@@ -75,11 +75,16 @@ def test_every_sample_has_exactly_one_owner():
 
 def test_run_metrics_sum_queue_counters_average_shares_and_take_the_slowest_time():
   records = [{"loss": 0.5, "queue/bytes_read_tokens": 100.0, "queue/token_rows_bytes": 8.0,
-              "verify/early_frac": 1.0, "train_s": 2.0, "switch/to_train/seconds": 0.1, "nan": float("nan")},
+              "verify/early_frac": 1.0, "train_s": 2.0, "switch/to_train/seconds": 0.1, "nan": float("nan"),
+              "queue/link_bytes/host_to_device_this_host": 700.0},
              {"loss": 0.5, "queue/bytes_read_tokens": 60.0, "queue/token_rows_bytes": 4.0,
-              "verify/early_frac": 0.5, "train_s": 3.0, "switch/to_train/seconds": 0.3, "nan": float("nan")}]
+              "verify/early_frac": 0.5, "train_s": 3.0, "switch/to_train/seconds": 0.3, "nan": float("nan"),
+              "queue/link_bytes/host_to_device_this_host": 900.0}]
   out, differing = processes.combine(records)
   assert out["queue/bytes_read_tokens"] == 160.0 and out["queue/token_rows_bytes"] == 12.0
+  # What each host put itself: the busiest host's, and the sum over the hosts.
+  assert out["queue/link_bytes/host_to_device_this_host"] == 900.0
+  assert out["queue/link_bytes/host_to_device_hosts_sum"] == 1600.0
   assert out["verify/early_frac"] == 0.75
   assert out["train_s"] == 3.0 and out["switch/to_train/seconds"] == 0.3
   assert out["loss"] == 0.5 and differing == []

@@ -52,10 +52,13 @@ def _metrics(workdir) -> list[dict]:
 
 
 def _assert_same_metrics(a: str, b: str, run_ends=(), only_in_a=(), a_up_to=None):
-  """Equal metric rows, timings aside; at ``run_ends`` (steps where b's run ended and was resumed: a run
+  """Equal metric rows, timings and what each host moved itself (``*_this_host``, ``*_hosts_sum``: it
+  depends on the process count) aside; at ``run_ends`` (steps where b's run ended and was resumed: a run
   evaluates at its last step) b's row also holds that evaluation. Keys starting with ``only_in_a`` are
   a's alone and left out. ``a_up_to``: a's rows up to that step only (a ran longer than b)."""
-  rows_a, rows_b = launch.comparable(_metrics(a)), launch.comparable(_metrics(b))
+  per_host = lambda rows: [{k: v for k, v in r.items() if not k.endswith(("_this_host", "_hosts_sum"))}
+                           for r in rows]
+  rows_a, rows_b = per_host(launch.comparable(_metrics(a))), per_host(launch.comparable(_metrics(b)))
   if a_up_to is not None:
     rows_a = [r for r in rows_a if r["step"] <= a_up_to]
   rows_a = [{k: v for k, v in r.items() if not k.startswith(tuple(only_in_a))} for r in rows_a]
@@ -191,9 +194,10 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_they_resume_t
 
 @pytest.mark.parametrize("mode", ["separated", "hybrid"])
 def test_deployment_modes_across_processes_equal_one_process(tmp_path, mode):
-  """Every sub-mesh takes the same share of each process's devices (hybrid: one aux device each).
-  (fusion.mode=full: test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics.)"""
-  extra = [f"--config.fusion.mode={mode}"] + (["--config.fusion.aux_devices=2"] if mode == "hybrid" else [])
+  """Every sub-mesh takes the same share of each process's devices (hybrid: one aux device each; its update
+  on packed rows). (fusion.mode=full: test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics.)"""
+  extra = [f"--config.fusion.mode={mode}"] + (
+      ["--config.fusion.aux_devices=2", "--config.optim.pack_rows=True"] if mode == "hybrid" else [])
   one = _run(tmp_path, "one", 1, 4, variant=":kl", steps=2, extra=extra)
   two = _run(tmp_path, "two", 2, 2, variant=":kl", steps=2, extra=extra)
   # Hybrid's reference scores samples as they finish (aux_stage/*), in one process and across two alike.
@@ -201,6 +205,22 @@ def test_deployment_modes_across_processes_equal_one_process(tmp_path, mode):
   if mode == "hybrid":
     for run in (one, two):
       assert all(r["aux_stage/early_frac"] == 1.0 for r in _metrics(run) if "loss" in r)
+    # Bytes per host and per device, host -> device: the actor's 2 devices are 2 data-parallel groups, one
+    # on each process of two. One process puts both groups' byte streams; of two, each puts its own group's
+    # stream only (the same length for both groups), and each its copy of the per-sample numbers (a 16-bit
+    # table of 6 per sample and the version base) and the rewards (float32). A device is sent the same in
+    # both (its group's stream and those numbers: equal metrics above).
+    with open(os.path.join(two, "config.json")) as f:
+      r = json.load(f)["rollout"]
+    per_sample = 6 * 2 * r["num_prompts"] * r["group_size"] + 4 + 4 * r["num_prompts"] * r["group_size"]
+    key = "queue/link_bytes/host_to_device"
+    for ra, rb in zip(_metrics(one), _metrics(two)):
+      if "loss" not in ra:
+        continue
+      assert ra[f"{key}_this_host"] == ra[key] and ra[f"{key}_per_device"] == rb[f"{key}_per_device"]
+      stream = rb[key] - per_sample                                   # both groups' streams
+      assert rb[f"{key}_this_host"] == stream / 2 + per_sample        # the busiest host: one group's
+      assert rb[f"{key}_hosts_sum"] == stream + 2 * per_sample
 
 
 # ---------------------------------------------------------------------------------------------------

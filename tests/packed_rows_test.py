@@ -81,7 +81,8 @@ def test_device_layout_is_the_host_packers(case):
     assert link == {"stream_bytes": n, "stream_used_bytes": bytes_b.sum(),
                     "host_to_device": 2.0 * n + 12 * b + 4,
                     "host_to_device_padded": 12.0 * b * padded_width + 12 * b + 4,
-                    "host_to_device_per_device": 1.0 * n + 12 * b + 4}
+                    "host_to_device_per_device": 1.0 * n + 12 * b + 4,
+                    "host_to_device_this_host": 2.0 * n + 12 * b + 4}   # one process: both groups
 
 
 def test_rows_are_dealt_round_robin_over_the_groups():
@@ -123,6 +124,7 @@ def test_stream_rows_on_a_group_of_four_devices():
   streams = link["host_to_device"] - 12 * 16 - 4
   assert streams == 2 * link["stream_bytes"] and link["stream_bytes"] % 4 == 0
   assert link["host_to_device_per_device"] - 12 * 16 - 4 == streams / 8   # a quarter of one of 2 groups
+  assert link["host_to_device_this_host"] == link["host_to_device"]       # one process sends every group's
 
 
 def capped(seed: int, cap: int):
@@ -164,6 +166,7 @@ def test_streams_in_pages_give_the_same_rows_at_every_length(tensor):
     assert link["stream_bytes"] == pages.page_bytes * max(1, -(-most // pages.page_bytes))
     assert link["stream_used_bytes"] == plain_link["stream_used_bytes"]
     assert link["host_to_device_per_device"] - 12 * 16 - 4 == link["stream_bytes"] / tensor
+    assert link["host_to_device_this_host"] == link["host_to_device"]
     sizes.add(link["stream_bytes"])
   assert sizes == ({256.0, 512.0} if tensor == 1 else {1024.0})
   assert packed_step._rows_from_stream_fn(mesh, 16, SEQ_LEN, packing.StreamFormat(1, 1), True)._cache_size() == 1
@@ -214,16 +217,19 @@ def test_rows_cross_once_per_data_parallel_group_and_are_shared_on_the_device():
   parts = global_batch.global_batch(split, x_rw.shape, x_rw.dtype, read)
   assert sorted(reads) == [(2 * i, 2 * i + 2) for i in range(8)]          # every row read once
   assert {s.data.nbytes for s in parts.addressable_shards} == {x_rw.nbytes // 8}
-  shared, most = global_batch.global_batch_once_per_group(sharding, x_rw.shape, x_rw.dtype, lambda a, b: x_rw[a:b])
+  shared, most, here = global_batch.global_batch_once_per_group(sharding, x_rw.shape, x_rw.dtype,
+                                                                lambda a, b: x_rw[a:b])
   assert most == x_rw.nbytes // 8 and shared.sharding == sharding
+  assert here == x_rw.nbytes          # this host (the only one) sent every row once
   plain = global_batch.global_batch(sharding, x_rw.shape, x_rw.dtype, lambda a, b: x_rw[a:b])
   for s1, s2 in zip(shared.addressable_shards, plain.addressable_shards):
     assert s1.device == s2.device and s1.index == s2.index
     np.testing.assert_array_equal(s1.data, s2.data)
   # 12 rows do not split over 8 devices: each device is sent its group's 6 rows.
   assert global_batch.group_split(sharding, (12, SEQ_LEN)) is None
-  _, most = global_batch.global_batch_once_per_group(sharding, (12, SEQ_LEN), np.int32, lambda a, b: x_rw[a:b])
-  assert most == 6 * SEQ_LEN * 4
+  _, most, here = global_batch.global_batch_once_per_group(sharding, (12, SEQ_LEN), np.int32,
+                                                           lambda a, b: x_rw[a:b])
+  assert most == 6 * SEQ_LEN * 4 and here == 8 * 6 * SEQ_LEN * 4     # 8 devices, 6 rows each
 
 
 @pytest.mark.parametrize("kl_mode", ["loss", "reward"])

@@ -520,7 +520,8 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
     if rows is not None:
       state, train_metrics, batch_stats, returns = _packed_rows_update(setup, programs, state, step, rows,
                                                                        row_fields, ref_logp, rewards, values)
-      for key in ("host_to_device", "host_to_device_padded", "host_to_device_per_device"):   # the rewards, [B]
+      for key in ("host_to_device", "host_to_device_padded", "host_to_device_per_device",
+                  "host_to_device_this_host"):   # the rewards, [B]
         metrics[f"queue/link_bytes/{key}"] += np.asarray(rewards, np.float32).nbytes
     else:
       rewards_dev = data.to_global(programs.mesh, rewards)

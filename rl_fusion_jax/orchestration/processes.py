@@ -79,6 +79,8 @@ def gather_rows(name: str, share: Share, sample_ids, arrays, timeout_s: int = 60
 # replica counts the rows it fed to its devices).
 QUEUE_COUNTERS = ("bytes_", "token_rows_bytes")
 SUMMED = tuple(f"queue/{c}" for c in QUEUE_COUNTERS)
+# What one process moved itself (e.g. the bytes it put on its devices): the busiest host's and the sum.
+PER_HOST = "_this_host"
 # Each process's own share of its host work (mean over processes).
 AVERAGED = ("verify/early_frac",)
 
@@ -125,13 +127,18 @@ def combine(records: list[dict[str, float]]) -> tuple[dict[str, float], list[str
   """Per-process metric records -> (the run's record, keys that should agree but differ).
 
   The queue's transfer counters are summed (each process counts the rows it fed), own shares of host
-  work averaged, times are the slowest process's (max); every other metric is computed from the same
-  data on every process and taken from process 0 (a difference means the processes diverged).
+  work averaged, times are the slowest process's (max), and what each process moved itself
+  (``*_this_host``) is the busiest host's (max) with the sum over the hosts beside it (``*_hosts_sum``);
+  every other metric is computed from the same data on every process and taken from process 0 (a
+  difference means the processes diverged).
   """
   out, differing = {}, []
   for key, value in records[0].items():
     values = [r.get(key, value) for r in records]
-    if key.startswith(SUMMED):
+    if key.endswith(PER_HOST):
+      out[key] = float(max(values))
+      out[key[:-len(PER_HOST)] + "_hosts_sum"] = float(sum(values))
+    elif key.startswith(SUMMED):
       out[key] = float(sum(values))
     elif key.startswith(AVERAGED):
       out[key] = float(np.mean(values))

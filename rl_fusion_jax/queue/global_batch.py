@@ -64,14 +64,21 @@ def global_batch_once_per_group(sharding: NamedSharding, shape: Sequence[int], d
   """``global_batch`` whose rows cross from the host once per data-parallel group, not once per device:
   each device of a group is sent a distinct part of the group's rows (``group_split``) and the group's
   devices then gather them on the device (a jitted identity to ``sharding``: an all-gather over the
-  group's axes). Returns (the array with ``sharding``, the most bytes sent to one device). Falls back to
-  ``global_batch`` (each device of a group sent the group's rows) when the rows do not divide."""
+  group's axes). Returns (the array with ``sharding``, the most bytes sent to one device, the bytes this
+  process sent: its devices' parts, so of several processes each counts its own groups only). Falls back
+  to ``global_batch`` (each device of a group sent the group's rows) when the rows do not divide."""
   split = group_split(sharding, shape)
   nbytes = math.prod(shape) * np.dtype(dtype).itemsize
   if split is None:
-    return global_batch(sharding, shape, dtype, read_rows), nbytes // batch_shards(sharding.mesh)
+    out = global_batch(sharding, shape, dtype, read_rows)
+    return out, nbytes // batch_shards(sharding.mesh), _host_bytes(out)
   parts = global_batch(split, shape, dtype, read_rows)
-  return _gather_to(sharding)(parts), nbytes // split.num_devices
+  return _gather_to(sharding)(parts), nbytes // split.num_devices, _host_bytes(parts)
+
+
+def _host_bytes(x: jax.Array) -> int:
+  """Bytes of the shards of ``x`` on this process's devices (each was filled from this host)."""
+  return sum(s.data.nbytes for s in x.addressable_shards)
 
 
 @functools.lru_cache(maxsize=64)

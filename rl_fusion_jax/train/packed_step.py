@@ -255,23 +255,23 @@ class StreamPages:
     self._write = jax.jit(lambda buf, page, j: jax.lax.dynamic_update_index_in_dim(buf, page, j, 0),
                           donate_argnums=(0,), out_shardings=self.sharding)
 
-  def put(self, bytes_gn: np.ndarray) -> tuple[jax.Array, int]:
+  def put(self, bytes_gn: np.ndarray) -> tuple[jax.Array, int, int]:
     """A ``pack_stream(..., page=page_bytes)`` stream ([G, k * page_bytes]) -> (the buffer holding it in
-    its first k pages, the most bytes sent to one device)."""
+    its first k pages, the most bytes sent to one device, the bytes this process sent)."""
     pages = bytes_gn.shape[1] // self.page_bytes
     if bytes_gn.shape[1] % self.page_bytes or pages > self.pages:
       raise ValueError(f"a stream of {bytes_gn.shape[1]} bytes per group is not a whole number of pages of "
                        f"{self.page_bytes} bytes within the buffer's {self.pages}")
-    most = 0
+    most = here = 0
     if self.buffer is None:
       self.buffer = self._zeros()
     for j in range(pages):
       part = bytes_gn[:, j * self.page_bytes:(j + 1) * self.page_bytes].reshape(-1, self.device_bytes)
-      page, sent = global_batch_once_per_group(batch_sharding(self.mesh, 2), part.shape, part.dtype,
-                                               lambda a, b, part=part: part[a:b])
+      page, sent, mine = global_batch_once_per_group(batch_sharding(self.mesh, 2), part.shape, part.dtype,
+                                                     lambda a, b, part=part: part[a:b])
       self.buffer = self._write(self.buffer, page, np.int32(j))
-      most += sent
-    return self.buffer, most
+      most, here = most + sent, here + mine
+    return self.buffer, most, here
 
 
 def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_bt, version_bt, prompt_len_b,
@@ -293,8 +293,9 @@ def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_
   [B, padded_width] rows, what the padded update places, and the same per-sample numbers; default width:
   the longest sample's ``step.train_width`` bucket) and
   ``host_to_device_per_device`` (the most one device was sent: its part of its group's stream and the
-  replicated per-sample numbers); ``stream_bytes`` (each group's stream length) and ``stream_used_bytes``
-  (the bytes holding samples, all groups). ``pages``: the stream crosses as whole pages into that buffer
+  replicated per-sample numbers), ``host_to_device_this_host`` (what this process sent: the parts of its
+  own groups' streams, and the per-sample numbers once); ``stream_bytes`` (each group's stream length)
+  and ``stream_used_bytes`` (the bytes holding samples, all groups). ``pages``: the stream crosses as whole pages into that buffer
   (``StreamPages``; its length a number of pages rather than a bucket), so the rows are rebuilt by one
   program for every stream length."""
   groups = batch_shards(mesh)
@@ -307,12 +308,12 @@ def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_
                                version_bt=version_bt, prompt_len_b=prompt_len_b, multiple=per_group_devices,
                                page=pages.page_bytes if pages is not None else 0)
   if pages is not None:
-    data, most = pages.put(stream.bytes_gn)
+    data, most, here = pages.put(stream.bytes_gn)
   else:
     # [G * C, N / C]: each of a group's C devices is sent a distinct C-th of its stream, gathered on the device.
     data = stream.bytes_gn.reshape(groups * per_group_devices, -1)
-    data, most = global_batch_once_per_group(batch_sharding(mesh, 2), data.shape, data.dtype,
-                                             lambda a, b: data[a:b])
+    data, most, here = global_batch_once_per_group(batch_sharding(mesh, 2), data.shape, data.dtype,
+                                                   lambda a, b: data[a:b])
   # Per sample: row + 1 (0: empty), start, length, prompt length, segment id, stream offset, in 16 bits
   # where every value fits (int32 otherwise).
   table = np.stack([layout.row_b + 1, layout.start_b, layout.length_b, np.asarray(prompt_len_b, np.int64),
@@ -325,7 +326,8 @@ def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_
   return rows, {"stream_bytes": float(stream.bytes_gn.shape[1]), "stream_used_bytes": float(stream.used_bytes),
                 "host_to_device": float(stream.bytes_gn.nbytes + sample_bytes),
                 "host_to_device_padded": float(3 * 4 * len(layout.length_b) * width + sample_bytes),
-                "host_to_device_per_device": float(most + sample_bytes)}
+                "host_to_device_per_device": float(most + sample_bytes),
+                "host_to_device_this_host": float(here + sample_bytes)}
 
 
 def rows_from_stream(data_xl, table_6b, version_base, *, num_rows: int, width: int, groups: int,
