@@ -221,6 +221,10 @@ def test_deployment_modes_across_processes_equal_one_process(tmp_path, mode):
       stream = rb[key] - per_sample                                   # both groups' streams
       assert rb[f"{key}_this_host"] == stream / 2 + per_sample        # the busiest host: one group's
       assert rb[f"{key}_hosts_sum"] == stream + 2 * per_sample
+      # Device -> host, what crosses today: every process fetches every finished row (not split yet:
+      # the engine's host state and the queue are replicated on every process).
+      fetch = "queue/link_bytes/engine_to_host"
+      assert rb[f"{fetch}_this_host"] == rb[fetch] and rb[f"{fetch}_hosts_sum"] == 2 * rb[fetch] > 0
 
 
 # ---------------------------------------------------------------------------------------------------

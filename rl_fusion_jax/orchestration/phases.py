@@ -282,7 +282,8 @@ def generation_phase(programs: Programs, state, step: int, timeline: Timeline, r
               # Bytes the engine's fetches moved device -> host: finished rows packed (and what the same rows
               # padded to seq_len would be), and the per-chunk control numbers (flags, lengths, counters).
               **{f"queue/link_bytes/{k}": float(result.stats.get(f"link_bytes/{k}", 0))
-                 for k in ("engine_to_host", "engine_to_host_padded", "engine_control")}}
+                 for k in ("engine_to_host", "engine_to_host_padded", "engine_control",
+                           "engine_to_host_this_host")}}
   return state, result, metrics
 
 
@@ -604,6 +605,7 @@ SUMMED_OVER_ROUNDS = ("generate_s", "engine/generated_tokens", "engine/decode_st
                       "engine/prefill_calls", "engine/refill_prefills", "engine/prefill_tokens",
                       "engine/prefill_rows", "engine/reprefill_rows", "queue/link_bytes/engine_to_host",
                       "queue/link_bytes/engine_to_host_padded", "queue/link_bytes/engine_control",
+                      "queue/link_bytes/engine_to_host_this_host",
                       *(f"engine/{k}" for k in engine_lib.CHUNK_MOMENTS))
 
 

@@ -566,7 +566,8 @@ class Engine:
     ``on_finished``. Only real tokens cross: the blocks of ``slots.pack_finished``'s buffer that hold each
     row's (finished, prompt length, response length) and the responses; the prompts are the host's.
     ``stats``: ``link_bytes/engine_to_host`` (bytes fetched) and ``..._padded`` (the same rows at
-    ``seq_len``: 3 per-token fields and 4 scalars, as a padded row would be)."""
+    ``seq_len``: 3 per-token fields and 4 scalars, as a padded row would be); ``..._this_host``: what this
+    process fetched, the same figure (every process fetches every row)."""
     seq_len = self.cfg.spec.seq_len
     if self._unread and not self._blocks_ready:
       # Every block size once, on the first buffer read (each at least as wide as the largest block): a
@@ -577,6 +578,8 @@ class Engine:
     for entries, requests, flat, columns, version in self._unread:
       blocks = fetch([self.programs.take_block[size](flat, start) for start, size in slots.block_starts(columns)])
       stats["link_bytes/engine_to_host"] += sum(b.nbytes for b in blocks)
+      # What this process fetched: every row, on every process (the engine's host state is replicated).
+      stats["link_bytes/engine_to_host_this_host"] += sum(b.nbytes for b in blocks)
       stats["link_bytes/engine_to_host_padded"] += len(entries) * (3 * seq_len + 4) * 4
       unpacked = slots.unpack_finished(np.concatenate(blocks, axis=1)[:, :columns], len(entries), version,
                                        self.cfg.spec.model.vocab_size, seq_len)
