@@ -21,7 +21,8 @@ are released by ``forget``.
 Active in ``fusion.mode=hybrid`` with a reference model or a reward model, in one process or several:
 the engine reports the same finished samples in the same order on every process (its host state is
 replicated), so every process dispatches the stage's programs in the same order, as SPMD programs need.
-The stage blocks on its buffers every ``BLOCK_EVERY`` chunks it scores: XLA:CPU deadlocked with more than
+Host values reach the aux devices by ``distributed.put`` (each process fills its own devices, no hidden
+collective). The stage blocks on its buffers every ``BLOCK_EVERY`` chunks it scores: XLA:CPU deadlocked with more than
 about 32 multi-device programs in flight (DESIGN.md), and each chunk dispatches about five.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rl_fusion_jax import distributed
 from rl_fusion_jax.sharding import mesh as mesh_lib
 from rl_fusion_jax.timeline import Timeline
 from rl_fusion_jax.train import packed_step, packing
@@ -89,8 +91,8 @@ class AuxStage:
     rep = self._rep = mesh_lib.replicated(self.mesh)
     self._scatter = jax.jit(_scatter, out_shardings=rep, donate_argnums=(0,))
     self._scatter_scores = jax.jit(_scatter_scores, out_shardings=rep, donate_argnums=(0,))
-    self.buffer = jax.device_put(np.zeros((capacity, self.seq_len), np.float32), rep) if reference else None
-    self.scores = jax.device_put(np.zeros((capacity,), np.float32), rep) if reward else None
+    self.buffer = distributed.put(np.zeros((capacity, self.seq_len), np.float32), rep) if reference else None
+    self.scores = distributed.put(np.zeros((capacity,), np.float32), rep) if reward else None
     self.slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()   # sample id -> row, oldest first
     self.free = list(range(capacity))[::-1]
     self.params = self.rm_params = None
@@ -134,7 +136,7 @@ class AuxStage:
     dest = np.full((kmax,), self.capacity, np.int32)
     for j, i in enumerate(rows):
       dest[j] = self._slot(int(rollout.sample_id_b[i]), keep)
-    dest = jax.device_put(dest, self._rep)
+    dest = distributed.put(dest, self._rep)
     if self.reference:
       logp_rw = self.logprobs(self.params, placed.tokens_rw, positions, segments)
       self.buffer = self._scatter(self.buffer, logp_rw, placed.row_b, placed.start_b, placed.length_b, dest)
@@ -183,12 +185,12 @@ class AuxStage:
       raise ValueError(f"aux stage: a batch of {len(ids)} samples; the buffer holds {self.capacity}")
     if len(missing):
       self._score(rollout, missing, keep=frozenset(ids))
-    slot_b = jax.device_put(np.asarray([self.slot_of[s] for s in ids], np.int32), self._rep)
+    slot_b = distributed.put(np.asarray([self.slot_of[s] for s in ids], np.int32), self._rep)
     ref = scores = None
     if self.reference and layout is None:
       ref = _padded_fn(self.mesh, width)(self.buffer, slot_b)
     elif self.reference:
-      per_sample = jax.device_put(tuple(np.asarray(x, np.int32) for x in (layout.row_b, layout.start_b,
+      per_sample = distributed.put(tuple(np.asarray(x, np.int32) for x in (layout.row_b, layout.start_b,
                                                                          layout.length_b)), self._rep)
       ref = _packed_fn(self.mesh, layout.num_rows, layout.width)(self.buffer, slot_b, *per_sample)
     if self.reward:

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from rl_fusion_jax import algorithms, models
+from rl_fusion_jax import algorithms, distributed, models
 from rl_fusion_jax.algorithms import registry
 from rl_fusion_jax.config import AlgoConfig
 from rl_fusion_jax.models import decoder
@@ -319,7 +319,9 @@ def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_
   table = np.stack([layout.row_b + 1, layout.start_b, layout.length_b, np.asarray(prompt_len_b, np.int64),
                     layout.segment_b(), stream.offset_b])
   table = table.astype(np.uint16 if table.max(initial=0) < 2 ** 16 else np.int32)
-  table_dev, base = jax.device_put((table, np.int32(stream.version_base)), replicated(mesh))
+  # distributed.put: of several processes each fills its own devices (jax.device_put would first check with
+  # a collective that every process passed the same value).
+  table_dev, base = distributed.put((table, np.int32(stream.version_base)), replicated(mesh))
   rows = _rows_from_stream_fn(mesh, layout.num_rows, layout.width, stream.fmt, pages is not None)(data, table_dev, base)
   sample_bytes = table.nbytes + 4
   width = padded_width or step_lib.train_width(int(layout.length_b.max(initial=0)), layout.width)
