@@ -195,16 +195,26 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_they_resume_t
 @pytest.mark.parametrize("mode", ["separated", "hybrid"])
 def test_deployment_modes_across_processes_equal_one_process(tmp_path, mode):
   """Every sub-mesh takes the same share of each process's devices (hybrid: one aux device each; its update
-  on packed rows). (fusion.mode=full: test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics.)"""
-  extra = [f"--config.fusion.mode={mode}"] + (
-      ["--config.fusion.aux_devices=2", "--config.optim.pack_rows=True"] if mode == "hybrid" else [])
+  on packed rows, a learned reward model beside the reference on the aux devices). (fusion.mode=full:
+  test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics.)"""
+  extra = [f"--config.fusion.mode={mode}"]
+  if mode == "hybrid":
+    import jax  # pylint: disable=g-import-not-at-top
+    from rl_fusion_jax.models import ModelConfig, reward_model  # pylint: disable=g-import-not-at-top
+    rm_cfg = ModelConfig(vocab_size=128, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                         intermediate_size=32, qkv_bias=True, max_position_embeddings=64)
+    reward_model.save_reward_model(rm_cfg, reward_model.init_reward_params(rm_cfg, jax.random.key(3), init_std=0.5),
+                                   str(tmp_path / "rm"))
+    extra += ["--config.fusion.aux_devices=2", "--config.optim.pack_rows=True",
+              f"--config.task.reward_model={tmp_path / 'rm'}", "--config.task.reward_model_weight=0.5"]
   one = _run(tmp_path, "one", 1, 4, variant=":kl", steps=2, extra=extra)
   two = _run(tmp_path, "two", 2, 2, variant=":kl", steps=2, extra=extra)
   # Hybrid's reference scores samples as they finish (aux_stage/*), in one process and across two alike.
   _assert_same_metrics(one, two, only_in_a=())
   if mode == "hybrid":
     for run in (one, two):
-      assert all(r["aux_stage/early_frac"] == 1.0 for r in _metrics(run) if "loss" in r)
+      assert all(r["aux_stage/early_frac"] == 1.0 and r["reward_model_score"] != 0.0
+                 for r in _metrics(run) if "loss" in r)
     # Bytes per host and per device, host -> device: the actor's 2 devices are 2 data-parallel groups, one
     # on each process of two. One process puts both groups' byte streams; of two, each puts its own group's
     # stream only (the same length for both groups), and each its copy of the per-sample numbers (a 16-bit
