@@ -95,8 +95,9 @@ class Sharing:
   runs better (RESULTS.md, the thread-count table). Nor does a measurement against known competitors
   (``benchmark_main.py --spinners=K``: K processes each keeping a core busy, ``threads_from_slowdown``; long
   tail, one device, same machine kind): beside one of them the update took 1.29-2.08x its time alone in
-  three runs, more than processor sharing allows any thread count (1.5x: XLA's pool waits for its slowest
-  thread), and generation 1.00-1.41x; repeats moved by a third, too much to set a count from.
+  three runs, more than processor sharing allows any thread count (1.5x; a pool whose threads wait for the
+  slowest one would do that, not verified), and generation 1.00-1.41x; repeats moved by a third, too much
+  to set a count from.
   ``cores`` = 0: no sharing (dedicated devices)."""
   cores: float = 0.0
   gen_threads: float = 1.0
