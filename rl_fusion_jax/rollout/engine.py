@@ -577,9 +577,10 @@ class Engine:
       self._blocks_ready = True
     for entries, requests, flat, columns, version in self._unread:
       blocks = fetch([self.programs.take_block[size](flat, start) for start, size in slots.block_starts(columns)])
-      stats["link_bytes/engine_to_host"] += sum(b.nbytes for b in blocks)
+      fetched = sum(b.nbytes for b in blocks)
+      stats["link_bytes/engine_to_host"] += fetched
       # What this process fetched: every row, on every process (the engine's host state is replicated).
-      stats["link_bytes/engine_to_host_this_host"] += sum(b.nbytes for b in blocks)
+      stats["link_bytes/engine_to_host_this_host"] += fetched
       stats["link_bytes/engine_to_host_padded"] += len(entries) * (3 * seq_len + 4) * 4
       unpacked = slots.unpack_finished(np.concatenate(blocks, axis=1)[:, :columns], len(entries), version,
                                        self.cfg.spec.model.vocab_size, seq_len)

@@ -51,17 +51,24 @@ GEN_TERMS = (("decode_steps", ("decode_steps",)), ("host_calls", ("decode_chunks
              ("refill_prefills", ("refill_prefills",)))
 
 
-def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-  """Least squares with non-negative coefficients (drop the most negative column and refit)."""
-  keep = list(range(x.shape[1]))
+def _drop_negative(solve, columns: int, keep) -> np.ndarray:
+  """Non-negative coefficients: ``solve(keep)`` (least squares over the columns ``keep``), dropping the
+  most negative column and solving again until none is negative."""
+  keep = list(keep)
   while True:
-    coef = np.zeros(x.shape[1])
+    coef = np.zeros(columns)
     if keep:
-      coef[keep] = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
+      coef[keep] = solve(keep)
     negative = [j for j in keep if coef[j] < 0]
     if not negative:
       return coef
     keep.remove(min(negative, key=lambda j: coef[j]))
+
+
+def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+  """Least squares with non-negative coefficients (drop the most negative column and refit)."""
+  return _drop_negative(lambda keep: np.linalg.lstsq(x[:, keep], y, rcond=None)[0], x.shape[1],
+                        range(x.shape[1]))
 
 
 # The engine's per-chunk sums (``rollout/engine.py::CHUNK_MOMENTS``; this module imports no JAX, so the
@@ -73,15 +80,7 @@ CHUNK_MOMENTS = ("chunk_s", "chunk_steps_x_s", "chunk_refills_x_s", "chunk_steps
 
 def _nnls_normal(gram: np.ndarray, rhs: np.ndarray, keep: list[int]) -> np.ndarray:
   """``nnls`` from the normal equations (``gram`` = X'X, ``rhs`` = X'y) over the columns ``keep``."""
-  keep = list(keep)
-  while True:
-    coef = np.zeros(len(rhs))
-    if keep:
-      coef[keep] = np.linalg.lstsq(gram[np.ix_(keep, keep)], rhs[keep], rcond=None)[0]
-    negative = [j for j in keep if coef[j] < 0]
-    if not negative:
-      return coef
-    keep.remove(min(negative, key=lambda j: coef[j]))
+  return _drop_negative(lambda k: np.linalg.lstsq(gram[np.ix_(k, k)], rhs[k], rcond=None)[0], len(rhs), keep)
 
 
 def _fit_gen_chunks(rows: list[dict]) -> GenCost:
