@@ -63,7 +63,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (runs, table, figures).")
 _QUICK = flags.DEFINE_bool("quick", False, "Long-tail workload only, 1 repeat, 2 steps (none unmeasured), "
-                           "the model at half depth and width (common.QUICK_MODEL).")
+                           "the model at one layer and half width (common.QUICK_MODEL).")
 _WORKLOADS = flags.DEFINE_list("workloads", ["longtail", "arithmetic"], "Workloads (see the docstring).")
 _VARIANTS = flags.DEFINE_list("variants", [], "Variants (default: all four).")
 _STEPS = flags.DEFINE_integer("steps", 8, "Measured steps per run.")

@@ -49,7 +49,7 @@ results/ (experiments/report_main.py copies it to results/staleness/export.json)
   python experiments/staleness_main.py --from_export=results/staleness/export.json --workdir=/tmp/st_r
 
 re-renders the table and the figures from such an export without running anything. ``--quick``: GRPO only,
-sync and s = 1 both ways, one seed, the model at half depth and width (``common.QUICK_MODEL``), a
+sync and s = 1 both ways, one seed, the model at one layer and half width (``common.QUICK_MODEL``), a
 100-step warm-up, 4 RL steps, 32 held-out problems (a check
 that the pipeline works, not a result).
 """

@@ -10,6 +10,7 @@ import pathlib
 import jax
 
 from rl_fusion_jax import config as config_lib
+from rl_fusion_jax import shared_programs
 from rl_fusion_jax.orchestration import loop, phases
 from rl_fusion_jax import metrics as metrics_lib
 from rl_fusion_jax.testing.experiments import tiny
@@ -72,6 +73,7 @@ def test_main_job_compiles_nothing_after_its_first_step(tmp_path):
 
 
 def test_fixed_row_count_compiles_the_packed_update_once(tmp_path):
+  shared_programs.clear()   # count this test's own traces: none shared from earlier tests
   # Chained-arithmetic responses of 2-8 operands: the batches fill 18-25 rows of 8 x 8 (rows split over the
   # 8 batch shards); row buckets 24 and 32 would each compile the update.
   cfg = tiny(**{"rollout.num_prompts": 16, "rollout.group_size": 4, "run.steps": 6, "run.checkpoint_every": 0,

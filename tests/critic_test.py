@@ -6,6 +6,7 @@ import optax
 import pytest
 
 from rl_fusion_jax import algorithms, models
+from rl_fusion_jax import shared_programs
 from rl_fusion_jax.config import MeshConfig
 from rl_fusion_jax.models import value_model as vm
 from rl_fusion_jax.sharding.mesh import make_mesh
@@ -128,6 +129,7 @@ def test_micro_batches_give_the_full_batch_update():
 
 
 def test_steps_reduce_the_loss_compile_once_and_keep_shardings():
+  shared_programs.clear()   # count this test's own traces: none shared from earlier tests
   policy = models.init_params(CFG, jax.random.key(1), init_std=0.3)
   state, step, value_fn = setup(optax.adam(1e-2), clip=None, params=vm.value_params_from_policy(CFG, policy))
   shardings = jax.tree.map(lambda x: x.sharding, state)

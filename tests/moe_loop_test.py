@@ -61,8 +61,9 @@ def test_modes_give_the_same_metrics(runs, mode):
 
 def test_no_traces_after_the_first_steps(runs):
   seen = runs["traces"]
+  # The first run builds every program it needs (the later ones may share them: shared_programs).
+  assert seen[(MODES[0], 0)] > 0, "the listener saw no traces at all: the check would be vacuous"
   for mode in MODES:
-    assert seen[(mode, 0)] > 0, "the listener saw no traces at all: the check would be vacuous"
     assert seen[(mode, STEPS - 1)] == 0, (mode, seen)
 
 

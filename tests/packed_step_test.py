@@ -11,6 +11,7 @@ import optax
 import pytest
 
 from rl_fusion_jax import algorithms, models
+from rl_fusion_jax import shared_programs
 from rl_fusion_jax.config import AlgoConfig, MeshConfig
 from rl_fusion_jax.sharding.mesh import batch_shards, make_mesh
 from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
@@ -207,6 +208,7 @@ def test_packed_step_equals_padded_step(aggregation, micro, extra):
 
 
 def test_packed_step_compiles_once_per_bucket():
+  shared_programs.clear()   # count this test's own traces: none shared from earlier tests
   mesh, new_state, _, packed = make_steps(AlgoConfig(), 1, optax.adam(1e-2))
   state, rows = new_state(), []
   for seed in range(4):

@@ -20,6 +20,7 @@ import optax
 import pytest
 
 from rl_fusion_jax import models
+from rl_fusion_jax import shared_programs
 from rl_fusion_jax.config import AlgoConfig, MeshConfig, OptimConfig, experiment_from_dict
 from rl_fusion_jax.models import decoder
 from rl_fusion_jax.sharding import expert_parallel, memory, pipeline
@@ -160,6 +161,7 @@ def make_step(mesh_cfg, tx):
 
 
 def test_packed_step_on_stages_is_the_unpipelined_update_and_compiles_once():
+  shared_programs.clear()   # count this test's own traces: none shared from earlier tests
   tx = optax.sgd(1.0)     # params after one step are init - gradient
   mesh, new_state, step = make_step(MeshConfig(stage=2, data=2, fsdp=2), tx)
   ref_mesh, ref_state, ref_step = make_step(MeshConfig(data=2, fsdp=4), tx)

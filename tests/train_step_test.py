@@ -8,6 +8,7 @@ import optax
 import pytest
 
 from rl_fusion_jax import models
+from rl_fusion_jax import shared_programs
 from rl_fusion_jax.config import AlgoConfig, MeshConfig, OptimConfig, RunConfig
 from rl_fusion_jax.orchestration.guard import DivergenceGuard
 from rl_fusion_jax.sharding.mesh import make_mesh
@@ -55,6 +56,7 @@ def batch(seed, params=None):
 
 
 def test_traces_once_across_steps_with_different_contents_and_lengths():
+  shared_programs.clear()   # count this test's own traces: none shared from earlier tests
   state, step = setup()
   for seed in range(4):
     state, metrics = step(state, batch(seed))
@@ -301,6 +303,7 @@ def test_cut_width_gives_the_full_width_update(aggregation):
 def test_one_compile_per_width_and_none_after():
   """Widths 12, 16, 12, 16, 12 under a budget of 24 tokens per device (2 and 4 micro-batches): each width traces
   once, at its first step; later steps of a seen width trace and compile nothing."""
+  shared_programs.clear()   # count this test's own traces: none shared from earlier tests
   events = []
   listener = lambda event, duration, **kw: events.append(event) if "trace" in event or "compile" in event \
       else None

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rl_fusion_jax import distributed
+from rl_fusion_jax import distributed, shared_programs
 from rl_fusion_jax.sharding import mesh as mesh_lib
 from rl_fusion_jax.timeline import Timeline
 from rl_fusion_jax.train import packed_step, packing
@@ -89,8 +89,8 @@ class AuxStage:
     self.shards = mesh_lib.batch_shards(self.mesh)
     self.group = timeline_group
     rep = self._rep = mesh_lib.replicated(self.mesh)
-    self._scatter = jax.jit(_scatter, out_shardings=rep, donate_argnums=(0,))
-    self._scatter_scores = jax.jit(_scatter_scores, out_shardings=rep, donate_argnums=(0,))
+    self._scatter = shared_programs.jit(_scatter, out_shardings=rep, donate_argnums=(0,))
+    self._scatter_scores = shared_programs.jit(_scatter_scores, out_shardings=rep, donate_argnums=(0,))
     self.buffer = distributed.put(np.zeros((capacity, self.seq_len), np.float32), rep) if reference else None
     self.scores = distributed.put(np.zeros((capacity,), np.float32), rep) if reward else None
     self.slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()   # sample id -> row, oldest first

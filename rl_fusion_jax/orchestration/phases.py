@@ -22,6 +22,7 @@ from absl import logging
 
 from rl_fusion_jax import distributed
 from rl_fusion_jax import models
+from rl_fusion_jax import shared_programs
 from rl_fusion_jax.algorithms import dapo
 from rl_fusion_jax.orchestration import data, processes
 from rl_fusion_jax.orchestration.programs import Programs
@@ -45,8 +46,13 @@ def init_policy(setup: Setup, programs: Programs):
   cfg = setup.cfg
   if setup.hf_params is not None:
     return distributed.put(setup.hf_params, programs.param_shardings)
-  init = lambda k: models.init_params(cfg.model.config, k, init_std=cfg.model.init_std)
-  return jax.jit(init, out_shardings=programs.param_shardings)(jax.random.key(cfg.policy_seed))
+  init = shared_programs.jit(_init_params, cfg.model.config, cfg.model.init_std,
+                             out_shardings=programs.param_shardings)
+  return init(jax.random.key(cfg.policy_seed))
+
+
+def _init_params(model_cfg, init_std, key):
+  return models.init_params(model_cfg, key, init_std=init_std)
 
 
 def warmup_optimizer(cfg):

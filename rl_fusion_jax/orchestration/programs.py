@@ -13,16 +13,15 @@ generation (``verify``) is attached to the sampling engine here.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
 import jax
 import optax
 
-from rl_fusion_jax import models
+from rl_fusion_jax import models, shared_programs
 from rl_fusion_jax.algorithms import batch as algo_batch
-from rl_fusion_jax.config import ExperimentConfig
+from rl_fusion_jax.config import AlgoConfig, ExperimentConfig
 from rl_fusion_jax.fusion.deployment import make_deployment
 from rl_fusion_jax.models import reward_model
 from rl_fusion_jax.orchestration import aux_stage, critic_stage
@@ -38,36 +37,33 @@ from rl_fusion_jax.train import step as step_lib
 from rl_fusion_jax.types import Rollout
 
 
-def assemble_batch(cfg: ExperimentConfig, rollout: Rollout, rewards_b, ref_logp_bt):
+def assemble_batch(a: AlgoConfig, group_size: int, rollout: Rollout, rewards_b, ref_logp_bt):
   """Rollout + rewards (+ reference log-probs) -> TrainBatch (the advantage stage, algorithms/batch.py)."""
-  a = cfg.algo
   return algo_batch.train_batch(rollout, rewards_b, ref_logp_bt, advantage=a.advantage,
-                                group_size=cfg.rollout.group_size, kl_coef=a.kl_coef,
+                                group_size=group_size, kl_coef=a.kl_coef,
                                 kl_estimator=a.kl_estimator, kl_mode=a.kl_mode,
                                 advantage_hparams=a.advantage_hparams)
 
 
-def assemble_gae_batch(cfg: ExperimentConfig, rollout: Rollout, rewards_b, ref_logp_bt, values_bt):
+def assemble_gae_batch(a: AlgoConfig, rollout: Rollout, rewards_b, ref_logp_bt, values_bt):
   """Rollout + rewards + critic values (+ reference log-probs) -> (TrainBatch, stats, returns_bt)."""
-  a = cfg.algo
   return algo_batch.train_batch_gae(rollout, rewards_b, ref_logp_bt, values_bt, advantage=a.advantage,
                                     kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_mode=a.kl_mode,
                                     advantage_hparams=a.advantage_hparams)
 
 
-def packed_gae_batch(cfg: ExperimentConfig, sample_rw, mask_rw, behaviour_logp_rw, ref_logp_rw, rewards_b, values_rw):
+def packed_gae_batch(a: AlgoConfig, sample_rw, mask_rw, behaviour_logp_rw, ref_logp_rw, rewards_b, values_rw):
   """The GAE advantage stage on packed rows (``algorithms/batch.py``'s ``packed_train_batch_gae``)."""
-  a = cfg.algo
   return algo_batch.packed_train_batch_gae(sample_rw, mask_rw, behaviour_logp_rw, ref_logp_rw, rewards_b, values_rw,
                                            advantage=a.advantage, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
                                            kl_mode=a.kl_mode, advantage_hparams=a.advantage_hparams)
 
 
-def packed_advantages(cfg: ExperimentConfig, sample_rw, mask_rw, behaviour_logp_rw, ref_logp_rw, rewards_b):
+def packed_advantages(a: AlgoConfig, group_size: int, sample_rw, mask_rw, behaviour_logp_rw, ref_logp_rw,
+                      rewards_b):
   """The advantage stage on packed rows (``algorithms/batch.py``'s ``packed_train_batch``)."""
-  a = cfg.algo
   return algo_batch.packed_train_batch(sample_rw, mask_rw, behaviour_logp_rw, ref_logp_rw, rewards_b,
-                                       advantage=a.advantage, group_size=cfg.rollout.group_size,
+                                       advantage=a.advantage, group_size=group_size,
                                        kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_mode=a.kl_mode,
                                        advantage_hparams=a.advantage_hparams)
 
@@ -176,20 +172,20 @@ class Programs:
     if self.packed_inputs:
       self.row_layout = packed_step.make_row_layout(self.mesh)
       b2 = mesh_lib.batch_sharding(self.mesh, 2)
-      self.packed_advantages = jax.jit(functools.partial(packed_advantages, cfg),
-                                       out_shardings=(b2, mesh_lib.replicated(self.mesh)))
-      self.packed_gae = jax.jit(functools.partial(packed_gae_batch, cfg),
-                                out_shardings=(b2, mesh_lib.replicated(self.mesh), b2))
+      self.packed_advantages = shared_programs.jit(packed_advantages, cfg.algo, r.group_size,
+                                                   out_shardings=(b2, mesh_lib.replicated(self.mesh)))
+      self.packed_gae = shared_programs.jit(packed_gae_batch, cfg.algo,
+                                            out_shardings=(b2, mesh_lib.replicated(self.mesh), b2))
     self._several_updates(cfg, model_cfg, temperature, d)
     self.critic = None
     if cfg.algo.uses_critic:
-      self.assemble = jax.jit(functools.partial(assemble_gae_batch, cfg),
-                              out_shardings=(step_lib.batch_shardings(self.mesh), mesh_lib.replicated(self.mesh),
+      self.assemble = shared_programs.jit(assemble_gae_batch, cfg.algo,
+                                          out_shardings=(step_lib.batch_shardings(self.mesh), mesh_lib.replicated(self.mesh),
                                              mesh_lib.batch_sharding(self.mesh, 2)))
       self.critic = critic_stage.CriticStage(cfg, d, placement.critic, self.micro)
     else:
-      self.assemble = jax.jit(functools.partial(assemble_batch, cfg),
-                              out_shardings=(step_lib.batch_shardings(self.mesh),
+      self.assemble = shared_programs.jit(assemble_batch, cfg.algo, r.group_size,
+                                          out_shardings=(step_lib.batch_shardings(self.mesh),
                                              mesh_lib.replicated(self.mesh)))
     self.reward_model = self._reward_model(setup)
     self.aux_stage = (aux_stage.AuxStage(cfg, self, d.aux_group, 2 * (r.slots + r.batch_size), reference=stage,
@@ -215,14 +211,14 @@ class Programs:
                        f"split over the {shards} batch shards (data x fsdp)")
     self.policy_logprobs = step_lib.make_logprob_fn(model_cfg, temperature, self.mesh, self.param_shardings,
                                                     d.train_rules)
-    self.bump_version = jax.jit(step_lib.bump_policy_version, donate_argnums=(0,),
-                                out_shardings=self.state_shardings)
+    self.bump_version = shared_programs.jit(step_lib.bump_policy_version, donate_argnums=(0,),
+                                            out_shardings=self.state_shardings)
     if self.packed_step is None:
       self.train_step_prox = step_lib.make_rl_step(model_cfg, a, temperature, self.tx, self.micro, self.mesh,
                                                    r.max_new_tokens, self.state_shardings, d.train_rules,
                                                    proximal=True, max_response_len=r.max_new_tokens)
-      self.take_rows = jax.jit(lambda batch, idx: jax.tree.map(lambda x: x[idx], batch),
-                               out_shardings=step_lib.batch_shardings(self.mesh, proximal=True))
+      self.take_rows = shared_programs.jit(_take_rows,
+                                           out_shardings=step_lib.batch_shardings(self.mesh, proximal=True))
     else:
       fixed = cfg.optim.fixed_row_count
       self.packed_step_prox = packed_step.make_packed_rl_step(
@@ -247,12 +243,15 @@ class Programs:
     shardings = d.aux_param_shardings(reward_model.abstract_reward_params(rm_cfg),
                                       reward_model.reward_logical_axes(rm_cfg))
     b1, b2 = mesh_lib.batch_sharding(d.aux_mesh, 1), mesh_lib.batch_sharding(d.aux_mesh, 2)
-    fn = jax.jit(functools.partial(reward_model.score, rm_cfg), in_shardings=(shardings, b2, b1),
-                 out_shardings=b1)
+    fn = shared_programs.jit(reward_model.score, rm_cfg, in_shardings=(shardings, b2, b1), out_shardings=b1)
     rep = mesh_lib.replicated(d.aux_mesh)
-    self.packed_reward_score = jax.jit(functools.partial(reward_model.packed_score, rm_cfg),
-                                       in_shardings=(shardings, b2, b2, b2, rep, rep, rep), out_shardings=rep)
+    self.packed_reward_score = shared_programs.jit(reward_model.packed_score, rm_cfg,
+                                                   in_shardings=(shardings, b2, b2, b2, rep, rep, rep), out_shardings=rep)
     return fn, d.place_aux(host_params, shardings)
+
+
+def _take_rows(batch, idx):
+  return jax.tree.map(lambda x: x[idx], batch)
 
 
 def _eval_slots(cfg: ExperimentConfig) -> int:

@@ -183,31 +183,32 @@ class SimEngine:
     left = lambda: len(pending) - self.ptr
 
     def free() -> int:
-      return int(((self.slot_id < 0) | (self.slot_gen >= self.slot_len)).sum())
+      return int(np.count_nonzero((self.slot_id < 0) | (self.slot_gen >= self.slot_len)))
 
     def met() -> bool:
       return (n is not None and not blocked and len(self.complete) - len(complete_at_start) >= need_groups
               and awaited <= self.complete)
 
-    def stops() -> bool:   # the chunk's end conditions, but for its step limit
+    def stops(n_free: int) -> bool:   # the chunk's end conditions, but for its step limit (n_free: free())
       if met():
         return True
-      n_free, n_left = free(), left()
+      n_left = left()
       can_refill = n_left > 0 and n_free > 0 and n_free >= min(self.rows, n_left)
       active = n_free < self.num_slots
       return not (active or can_refill) or (more and n_left <= 0 and n_free >= self.rows)
 
     step = 0
-    while step < self.chunk_steps and not stops():
-      while left() > 0 and free() > 0 and free() >= min(self.rows, left()):
+    while step < self.chunk_steps and not stops(n_free := free()):
+      while left() > 0 and n_free > 0 and n_free >= min(self.rows, left()):
         self._refill(pending, counts)
+        n_free = free()
       active = np.flatnonzero((self.slot_id >= 0) & (self.slot_gen < self.slot_len))
       if len(active):
         # Until a sample finishes, nothing the loop tests changes: no slot frees, no group completes, and
         # the refill just done cannot repeat. So the steps up to the next finish run as one, unless the
         # chunk ends after the first (``stops`` already true after the refill).
         to_finish = int((self.slot_len[active] - self.slot_gen[active]).min())
-        steps = 1 if stops() else min(self.chunk_steps - step, to_finish)
+        steps = 1 if stops(n_free) else min(self.chunk_steps - step, to_finish)
         self._decode_steps(active, version, counts, steps)
         step += steps
     self._move_done()

@@ -46,9 +46,13 @@ def tiny(**overrides: Any) -> config_lib.ExperimentConfig:
 @contextlib.contextmanager
 def rl_step_traces() -> Iterator[dict[tuple[str, int], int]]:
   """While active, counts the jaxpr traces each ``phases.rl_step`` call makes; yields the dict
-  (deployment mode, step index) -> traces, filled as the loop runs (the no-recompile checks)."""
+  (deployment mode, step index) -> traces, filled as the loop runs (the no-recompile checks). Starts with
+  no shared programs (``shared_programs.clear``), so the first run's first step traces its programs; a later
+  run may trace nothing at all, where it shares them."""
   import jax  # pylint: disable=import-outside-toplevel
+  from rl_fusion_jax import shared_programs  # pylint: disable=import-outside-toplevel
   from rl_fusion_jax.orchestration import phases  # pylint: disable=import-outside-toplevel
+  shared_programs.clear()
   traces: list[str] = []
   jax.monitoring.register_event_duration_secs_listener(
       lambda event, duration, **kw: traces.append(event) if "trace" in event else None)

@@ -25,6 +25,7 @@ from rl_fusion_jax import algorithms
 from rl_fusion_jax.model_config import ModelConfig
 from rl_fusion_jax.models import value_model
 from rl_fusion_jax.sharding.mesh import batch_sharding, batch_shards, replicated
+from rl_fusion_jax.shared_programs import shared
 from rl_fusion_jax.train.state import TrainState
 from rl_fusion_jax.train.step import MicroBatching, as_micro_batching, update
 
@@ -120,6 +121,7 @@ def critic_step(cfg: ModelConfig, clip: float | None, tx: optax.GradientTransfor
   return state, metrics
 
 
+@shared
 def make_critic_step(cfg: ModelConfig, clip: float | None, tx: optax.GradientTransformation,
                      micro: MicroBatching | int, mesh: Mesh, shardings: TrainState):
   """``critic_step(state, batch) -> (state, metrics)``, compiled once per batch shape, state donated.
@@ -137,12 +139,14 @@ def make_critic_step(cfg: ModelConfig, clip: float | None, tx: optax.GradientTra
                  out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
 
 
+@shared
 def make_value_fn(cfg: ModelConfig, mesh: Mesh, param_shardings):
   """``fn(params, tokens_bt) -> values_bt`` (float32 [B, T], batch-sharded), compiled once per shape."""
   b2 = batch_sharding(mesh, 2)
   return jax.jit(functools.partial(value_model.values, cfg), in_shardings=(param_shardings, b2), out_shardings=b2)
 
 
+@shared
 def make_packed_value_fn(cfg: ModelConfig, mesh: Mesh, param_shardings):
   """``fn(params, tokens_rw, positions_rw, segment_ids_rw) -> values_rw`` of packed rows (float32,
   batch-sharded), compiled once per row count."""

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from rl_fusion_jax import algorithms, distributed, models
+from rl_fusion_jax import algorithms, distributed, models, shared_programs
 from rl_fusion_jax.algorithms import registry
 from rl_fusion_jax.config import AlgoConfig
 from rl_fusion_jax.models import decoder
@@ -181,6 +181,7 @@ def check_packable(algo: AlgoConfig) -> None:
                      "holds several samples; use the padded step (step.make_rl_step)")
 
 
+@shared_programs.shared
 def make_packed_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx,
                         micro: step_lib.MicroBatching | int, mesh: Mesh, norm_len: int, shardings: TrainState,
                         *, pipeline_micro: int = 0, rules=None, proximal: bool = False, skip_empty: bool = False):
@@ -228,6 +229,10 @@ class PackedRows:
   segment_b: jax.Array           # int32 [B], 1.. in its row's column order
 
 
+def _write_page(buffer, page, j):
+  return jax.lax.dynamic_update_index_in_dim(buffer, page, j, 0)
+
+
 class StreamPages:
   """A fixed-shape device buffer for the groups' streams of one row count: ``[pages, G * C, P]`` bytes
   (G data-parallel groups of C devices; P bytes per device and page, so a page holds C * P bytes of each
@@ -250,10 +255,9 @@ class StreamPages:
     self.sharding = NamedSharding(mesh, P(None, BATCH_AXES, None))
     # Made on the first put: only a process that places rows runs a program on this mesh (in the separated
     # deployment the rollout process builds these programs too, and must not).
-    self._zeros = jax.jit(lambda: jnp.zeros(shape, packing.STREAM_DTYPE), out_shardings=self.sharding)
+    self._zeros = shared_programs.jit(jnp.zeros, shape, packing.STREAM_DTYPE, out_shardings=self.sharding)
     self.buffer = None
-    self._write = jax.jit(lambda buf, page, j: jax.lax.dynamic_update_index_in_dim(buf, page, j, 0),
-                          donate_argnums=(0,), out_shardings=self.sharding)
+    self._write = shared_programs.jit(_write_page, donate_argnums=(0,), out_shardings=self.sharding)
 
   def put(self, bytes_gn: np.ndarray) -> tuple[jax.Array, int, int]:
     """A ``pack_stream(..., page=page_bytes)`` stream ([G, k * page_bytes]) -> (the buffer holding it in
@@ -406,12 +410,14 @@ def row_layout(rows: PackedRows):
           (inside & (pos_rw >= rows.prompt_len_b[s_rw])).astype(jnp.float32))
 
 
+@shared_programs.shared
 def make_row_layout(mesh: Mesh):
   """``row_layout`` jitted, its outputs split over the batch axes like the rows."""
   b2 = batch_sharding(mesh, 2)
   return jax.jit(row_layout, out_shardings=(b2, b2, b2, b2))
 
 
+@shared_programs.shared
 def make_packed_logprob_fn(model_cfg, temperature: float, mesh: Mesh, param_shardings, rules=None,
                            skip_micro: int = 1):
   """``fn(params, tokens_rw, positions_rw, segment_ids_rw) -> logp_rw`` (e.g. reference log-probs on
@@ -460,6 +466,7 @@ def mini_batch_rows(batch: PackedTrainBatch, row_b, start_b, length_b, sub_row_k
       version_rw=take(batch.version_rw, -1), proximal_logp_rw=take(batch.proximal_logp_rw, 0.0))
 
 
+@shared_programs.shared
 def make_mini_batch_rows(mesh: Mesh):
   """``mini_batch_rows`` jitted (``num_rows`` static: one compile per pair of row buckets), its output
   split over the batch axes."""

@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 from rl_fusion_jax.config import OptimConfig
 from rl_fusion_jax.sharding.mesh import replicated
 from rl_fusion_jax.sharding.reshard import optimizer_shardings
+from rl_fusion_jax.shared_programs import shared
 
 
 @flax.struct.dataclass
@@ -25,6 +26,7 @@ class TrainState:
   master_params: Any = None
 
 
+@shared
 def make_optimizer(cfg: OptimConfig, learning_rate: float | None = None) -> optax.GradientTransformation:
   """Global-norm clipping then AdamW with a linear warm-up."""
   lr = cfg.learning_rate if learning_rate is None else learning_rate
@@ -45,7 +47,12 @@ def state_shardings(tx: optax.GradientTransformation, abstract_params, param_sha
 def create_train_state(params, tx: optax.GradientTransformation, shardings: TrainState,
                        policy_version: int = 0) -> TrainState:
   """Builds the state on device with the given shardings (the optimizer state is created in place)."""
+  return _make_init(tx, shardings, int(policy_version))(params)
+
+
+@shared
+def _make_init(tx: optax.GradientTransformation, shardings: TrainState, policy_version: int):
   def init(params):
     return TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params),
                       policy_version=jnp.int32(policy_version))
-  return jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings)(params)
+  return jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings)

@@ -26,6 +26,7 @@ from rl_fusion_jax.config import AlgoConfig
 from rl_fusion_jax.sharding.expert_parallel import with_expert_parallel
 from rl_fusion_jax.sharding.mesh import BATCH_AXES, batch_sharding, batch_shards, replicated
 from rl_fusion_jax.sharding.rules import TRAIN_RULES, Rules
+from rl_fusion_jax.shared_programs import shared
 from rl_fusion_jax.train.logprobs import response_window, token_logprobs
 from rl_fusion_jax.train.state import TrainState
 from rl_fusion_jax.types import TrainBatch
@@ -374,6 +375,7 @@ def batch_shardings(mesh: Mesh, proximal: bool = False) -> TrainBatch:
                     version_bt=b2, proximal_logp_bt=b2 if proximal else None)
 
 
+@shared
 def make_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: MicroBatching | int, mesh: Mesh,
                  norm_len: int, shardings: TrainState, rules: Rules = TRAIN_RULES, *, proximal: bool = False,
                  max_response_len: int = 0):
@@ -395,6 +397,7 @@ def make_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: Mic
                  out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
 
 
+@shared
 def make_sft_step(model_cfg, tx, num_micro: int, mesh: Mesh, shardings: TrainState,
                   rules: Rules = TRAIN_RULES):
   """``sft_step(state, tokens_bt, mask_bt) -> (state, metrics)``, compiled once, state donated."""
@@ -404,6 +407,7 @@ def make_sft_step(model_cfg, tx, num_micro: int, mesh: Mesh, shardings: TrainSta
                  donate_argnums=(0,))
 
 
+@shared
 def make_logprob_fn(model_cfg, temperature: float, mesh: Mesh, param_shardings, rules: Rules = TRAIN_RULES):
   """``fn(params, tokens_bt) -> logp_bt`` (e.g. reference-policy log-probs), compiled once."""
   b2 = batch_sharding(mesh, 2)
