@@ -136,7 +136,7 @@ class ModelConfig:
   `scan_unroll` how many layers one loop iteration runs (1: compile time independent of depth;
   `num_layers` or more: fully unrolled, which the tiny experiment configs use on CPU; compile times of
   both in BENCHMARKS.md, "Compile time against depth"; 0, the default: unrolled on the CPU backend, 1
-  elsewhere). Log-probs
+  elsewhere and wherever `remat` is not 'none', which unrolled layers would defeat). Log-probs
   (`train.logprobs`) compute the lm head `logits_chunk` tokens at a time, so no float32 [B, T, V] tensor
   exists in the update: a positive number of tokens per chunk.
   """
@@ -159,7 +159,8 @@ class ModelConfig:
   bos_token_id: int | None = None
   eos_token_id: int | None = None
   remat: str = "none"
-  # 0 (default): every layer unrolled on the CPU backend, 1 elsewhere. On CPU meshes of several devices,
+  # 0 (default): every layer unrolled on the CPU backend, 1 elsewhere and under remat (which unrolled layers
+  # defeat: decoder._default_unroll). On CPU meshes of several devices,
   # XLA:CPU's in-process collectives inside a rolled layer scan deadlocked intermittently (README, Known
   # limits; docs/models.md); tiny CPU models also run faster unrolled.
   scan_unroll: int = 0

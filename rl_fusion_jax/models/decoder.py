@@ -58,7 +58,7 @@ def _scan(graphdef, state, step, carry, first: int, count: int, remat: str, unro
     return step(nnx.merge(graphdef, layer_state), carry, index), None
 
   indices = jnp.arange(first, first + count, dtype=jnp.int32)
-  unroll = min(unroll or _default_unroll(count), count)
+  unroll = min(unroll or _default_unroll(count, remat), count)
   if any(half_as_words(x.dtype) for x in jax.tree.leaves(state)):
     if not differentiable:
       return _scan_words(body, carry, state, indices, unroll)
@@ -162,9 +162,13 @@ def _stacked_layers(cfg: ModelConfig, count: int, sparse: bool, init_std: float,
   return make(rngs)
 
 
-def _default_unroll(num_layers: int) -> int:
-  """`ModelConfig.scan_unroll=0`: every layer unrolled on the CPU backend, one layer per iteration elsewhere."""
-  return num_layers if jax.default_backend() == "cpu" else 1
+def _default_unroll(num_layers: int, remat: str = "none") -> int:
+  """`ModelConfig.scan_unroll=0`: every layer unrolled on the CPU backend, one layer per iteration elsewhere
+  and wherever layers are rematerialized. Unrolled, XLA keeps every layer's activations for the backward
+  pass whatever the remat policy (jax.grad of the summed log-probs, Qwen2.5-0.5B shapes cut to 6 layers,
+  4 x 1,024 tokens, remat='full': 8.6 GB of temporaries unrolled, 2.2 GB rolled, 8.5 GB unrolled without
+  remat; `jax.checkpoint(..., prevent_cse=True)` changes nothing)."""
+  return num_layers if jax.default_backend() == "cpu" and remat == "none" else 1
 
 
 def layer_runs(stacks: tuple[tuple[str, int], ...]) -> list[tuple[str, int, int, int]]:
