@@ -180,13 +180,14 @@ class Programs:
     self.critic = None
     if cfg.algo.uses_critic:
       self.assemble = shared_programs.jit(assemble_gae_batch, cfg.algo,
-                                          out_shardings=(step_lib.batch_shardings(self.mesh), mesh_lib.replicated(self.mesh),
-                                             mesh_lib.batch_sharding(self.mesh, 2)))
+                                          out_shardings=(step_lib.batch_shardings(self.mesh),
+                                                         mesh_lib.replicated(self.mesh),
+                                                         mesh_lib.batch_sharding(self.mesh, 2)))
       self.critic = critic_stage.CriticStage(cfg, d, placement.critic, self.micro)
     else:
       self.assemble = shared_programs.jit(assemble_batch, cfg.algo, r.group_size,
                                           out_shardings=(step_lib.batch_shardings(self.mesh),
-                                             mesh_lib.replicated(self.mesh)))
+                                                         mesh_lib.replicated(self.mesh)))
     self.reward_model = self._reward_model(setup)
     self.aux_stage = (aux_stage.AuxStage(cfg, self, d.aux_group, 2 * (r.slots + r.batch_size), reference=stage,
                                          reward=hybrid and self.reward_model is not None)
@@ -246,7 +247,8 @@ class Programs:
     fn = shared_programs.jit(reward_model.score, rm_cfg, in_shardings=(shardings, b2, b1), out_shardings=b1)
     rep = mesh_lib.replicated(d.aux_mesh)
     self.packed_reward_score = shared_programs.jit(reward_model.packed_score, rm_cfg,
-                                                   in_shardings=(shardings, b2, b2, b2, rep, rep, rep), out_shardings=rep)
+                                                   in_shardings=(shardings, b2, b2, b2, rep, rep, rep),
+                                                   out_shardings=rep)
     return fn, d.place_aux(host_params, shardings)
 
 
