@@ -8,7 +8,8 @@ log-probs and the reward-model score. Every program has explicit shardings and a
 compiles once per shape: the train-side programs once per run at ``rollout.seq_len`` (once per row
 width with ``optim.width_buckets``: ``step.train_width``), the packed update once per row bucket (once
 per run with ``optim.fixed_row_count``). The host stage that verifies finished samples during
-generation (``verify``) is attached to the sampling engine here.
+generation (``verify``) is attached to the sampling engine here. The jitted functions come from shared
+factories (``shared_programs``): a later run in the same process with equal settings reuses them, compiled.
 """
 from __future__ import annotations
 
