@@ -20,7 +20,9 @@ processes take turns (experiments/turns.py): experiments/benchmark_main.py on th
 experiments/trl_tiny_grpo.py on the workload. Each starts and runs its first and --warmup_steps steps
 alone; then for each of --rounds rounds each side runs --steps measured steps while the other waits
 (the side that goes first alternates), so both see the same machine. Prints per-round and overall
-medians of the step and its phases, the ratio ours / TRL, and float32 matmul rates at the workload's
+medians of the step and its phases, the ratio ours / TRL, each side's first step (timed in its process,
+compiles or lazy set-up included) with a 24-step run estimated from it (first step + 23 medians), and
+float32 matmul rates at the workload's
 shapes in JAX (this process: one device, and the rows split over the config's devices) and torch (the
 TRL environment), a ceiling to read the phases against. --out writes all of it as JSON, including every
 measured step and the 1-minute load average after each round (the machine may be shared).
@@ -317,14 +319,32 @@ def main(argv):
       "machine": machine() | {"load_avg_1m_before": round(load_before, 2)},
       "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
                    **finals["trl"]["versions"]},
-      "trl_setup": finals["trl"]["setup"], "first_step_s": {"ours": finals["ours"]["first_step_s"]},
+      "trl_setup": finals["trl"]["setup"],
+      "first_step_s": {name: finals[name]["first_step_s"] for name in ("ours", "trl")},
+      "run_s": run_seconds(result, finals),
       "matmul_gflop_per_s": matmul_rates(workload_path, w["matmul_shapes"]), "workdir": workdir,
   }
+  run = result["run_s"]
+  print(f"{RUN_STEPS} steps including the first (first step + {RUN_STEPS - 1} x median): ours {run['ours']} s, "
+        f"TRL {run['trl']} s, ratio {run['ratio']}")
   print(json.dumps({"ratio_ours_over_trl": result["ratio"], "ours_step_s": result["ours"]["step_s"],
-                    "trl_step_s": result["trl"]["step_s"]}, sort_keys=True))
+                    "trl_step_s": result["trl"]["step_s"], "run_ratio": run["ratio"]}, sort_keys=True))
   if _OUT.value:
     with open(_OUT.value, "w") as f:
       json.dump(result, f, indent=1, sort_keys=True)
+
+
+# A run of this many steps, the first included (issue 30's whole-run comparison of tiny-grpo).
+RUN_STEPS = 24
+
+
+def run_seconds(result: dict, finals: dict) -> dict:
+  """Each side's first step (its compiles or lazy set-up included, timed in the side's process) plus
+  ``RUN_STEPS - 1`` of its median measured steps, and ours over TRL's: an estimate of a short run's wall
+  time from this rotation's figures."""
+  run = {name: round(finals[name]["first_step_s"] + (RUN_STEPS - 1) * result[name]["step_s"], 3)
+         for name in ("ours", "trl")}
+  return run | {"ratio": round(run["ours"] / run["trl"], 3)}
 
 
 def machine() -> dict:

@@ -212,8 +212,9 @@ class PhaseClock:
     setattr(owner, name, timed)
 
 
-def step_callback(clock: PhaseClock, warmup: int, turn_steps: int, rows: list[dict]):
-  """A TrainerCallback that closes each step's row at the end of its optimizer step (and takes turns)."""
+def step_callback(clock: PhaseClock, warmup: int, turn_steps: int, rows: list[dict], first: dict | None = None):
+  """A TrainerCallback that closes each step's row at the end of its optimizer step (and takes turns);
+  ``first["step_s"]``: the first step's seconds, from the start of training to its end."""
   from transformers import TrainerCallback
   turns = _load_turns() if turn_steps else None
 
@@ -233,6 +234,8 @@ def step_callback(clock: PhaseClock, warmup: int, turn_steps: int, rows: list[di
       row["other_s"] = row["step_s"] - c.get("prepare_inputs", 0.0) - row["update_s"]
       clock.current = {}
       done = state.global_step - 1           # the first step is not counted
+      if done == 0 and first is not None:
+        first["step_s"] = row["step_s"]
       if done > warmup:
         rows.append(row)
       if turns is not None and done >= warmup and (done - warmup) % turn_steps == 0:
@@ -311,13 +314,13 @@ def main():
   model = build_model(w["model"], w["tokenizer"], w["seed"])
   dataset = datasets.Dataset.from_list([{"prompt": p.get("messages", p["prompt"]), "answer": p["answer"]}
                                         for p in problems])
-  clock, rows = PhaseClock(), []
+  clock, rows, first = PhaseClock(), [], {}
   with tempfile.TemporaryDirectory(prefix="trl_tiny_grpo_") as output_dir:
     trainer = trl.GRPOTrainer(
         model=model, reward_funcs=make_reward(**w["reward"]),
         args=grpo_config(w, total, output_dir, args.bf16),
         train_dataset=dataset, processing_class=tokenizer,
-        callbacks=[step_callback(clock, args.warmup_steps, args.turn_steps, rows)])
+        callbacks=[step_callback(clock, args.warmup_steps, args.turn_steps, rows, first)])
     # _generate returns (prompt_ids, completion_ids, ...); completion ids end at the first eos.
     clock.wrap(trainer, "_generate", "generate",
                record=lambda out: {"response_len_mean": statistics.fmean(len(c) for c in out[1])})
@@ -337,7 +340,7 @@ def main():
     trainer.train()
   med = lambda k: round(statistics.median(r[k] for r in rows), 4)
   out = {"steps": len(rows), "startup_s": round(startup_s, 3), "setup": setup,
-         "median_step_s": med("step_s"),
+         "median_step_s": med("step_s"), "first_step_s": round(first.get("step_s", float("nan")), 3),
          **{k: med(k) for k in ("generate_s", "hf_generate_s", "reward_s", "prepare_s", "update_s", "other_s",
                                 "response_len_mean")},
          "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
