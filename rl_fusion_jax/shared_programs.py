@@ -1,9 +1,10 @@
 """Jitted programs shared by every run in one process.
 
 A factory decorated with ``@shared`` returns the function it made before when it is called again with equal
-arguments. A second run in the same process with the same model, meshes, layouts and settings (a sweep, an
-evaluation binary after training, the test suite) then traces, lowers and compiles none of those programs
-again: JAX's own cache of a jitted function answers it. Without sharing, each run builds new closures, and
+arguments. A second run in the same process with the same model, meshes, layouts and settings (several
+``loop.run`` calls in one process, as the test suite makes) then traces, lowers and compiles none of those
+programs again: JAX's own cache of a jitted function answers it. The generation engines' programs
+(``rollout.slots.programs``) are shared the same way. Without sharing, each run builds new closures, and
 even with the persistent compilation cache every program is traced and lowered again to find its entry.
 
 Arguments are compared as pytrees: the same structure, and every leaf of the same type and equal by

@@ -165,8 +165,7 @@ class Engine:
     if rows % shards:
       raise ValueError(f"EngineConfig.prefill_rows: {rows} is not a multiple of the {shards} batch shards")
     self.cfg, self.rows = cfg, rows
-    leaves, treedef = jax.tree.flatten(param_shardings)
-    self.programs = slots.programs(cfg.spec, cfg.num_slots, rows, mesh, treedef, tuple(leaves), rules,
+    self.programs = slots.programs(cfg.spec, cfg.num_slots, rows, mesh, param_shardings, rules,
                                    cfg.refill == "static", cfg.group_size)
     self._rng = jax.random.key(cfg.seed)
     self._state = self.programs.empty()

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from rl_fusion_jax import models
+from rl_fusion_jax import models, shared_programs
 from rl_fusion_jax.rollout import decode as decode_lib
 # SlotState and empty_slots are part of this module's interface (the engine reads slots.SlotState).
 from rl_fusion_jax.rollout.decode import GenerateSpec, SlotState, empty_slots
@@ -459,9 +459,8 @@ class SlotPrograms:
                          out_shardings=state_sh)
 
 
-@functools.lru_cache(maxsize=16)
-def programs(spec, num_slots, rows, mesh, treedef, sharding_leaves, rules: Rules = GENERATE_RULES,
+@shared_programs.shared
+def programs(spec, num_slots, rows, mesh, param_shardings, rules: Rules = GENERATE_RULES,
              static: bool = False, group_size: int = 1) -> SlotPrograms:
-  """Shared by every engine with equal arguments (all hashable), so a new engine compiles nothing."""
-  return SlotPrograms(spec, num_slots, rows, mesh, jax.tree.unflatten(treedef, sharding_leaves), rules, static,
-                      group_size)
+  """Shared by every engine with equal arguments (``shared_programs``), so a new engine compiles nothing."""
+  return SlotPrograms(spec, num_slots, rows, mesh, param_shardings, rules, static, group_size)
