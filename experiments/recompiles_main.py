@@ -26,8 +26,6 @@ _WARMUP = flags.DEFINE_integer("warmup_steps", 24, "Supervised warm-up steps (at
 _EVAL = flags.DEFINE_integer("eval_problems", 16, "Held-out problems of each evaluation.")
 _CACHE = flags.DEFINE_string("compilation_cache", "", "Persistent compilation cache folder ('': none).")
 
-TRACE = "/jax/core/compile/jaxpr_trace_duration"
-
 
 def main(argv):
   del argv
@@ -38,24 +36,9 @@ def main(argv):
   from rl_fusion_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   cfg = config_lib.experiment_from_dict(c.to_dict())
   common.setup_jax(cfg.mesh.cpu_devices, _CACHE.value)
-  import jax  # pylint: disable=g-import-not-at-top
-  from rl_fusion_jax.orchestration import loop, phases, stalesync  # pylint: disable=g-import-not-at-top
-  events, marks = [], []
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda event, duration, **kw: events.append(kw.get("fun_name", "?")) if event == TRACE else None)
-
-  def marked(step_fn):
-    def fn(*args, **kwargs):
-      marks.append(len(events))
-      return step_fn(*args, **kwargs)
-    return fn
-
-  phases.rl_step = marked(phases.rl_step)                          # the synchronous step
-  stalesync.StaleSync.step = marked(stalesync.StaleSync.step)      # a bounded-staleness step
+  from rl_fusion_jax.testing import experiments  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory() as workdir:
-    loop.run(cfg, workdir)
-  bounds = marks + [len(events)]
-  per_step = [events[a:b] for a, b in zip(bounds, bounds[1:])]
+    per_step = experiments.traces_per_step(cfg, workdir)
   later = {step: dict(collections.Counter(traced)) for step, traced in enumerate(per_step, start=1)
            if step > 1 and traced}
   print(json.dumps({"steps": len(per_step), "traced_in_step_1": len(per_step[0]) if per_step else 0,

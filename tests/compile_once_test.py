@@ -7,19 +7,15 @@ step either, although its batches fill different row buckets and their streams d
 import importlib.util
 import pathlib
 
-import jax
-
 from rl_fusion_jax import config as config_lib
 from rl_fusion_jax import shared_programs
-from rl_fusion_jax.orchestration import loop, phases
 from rl_fusion_jax import metrics as metrics_lib
+from rl_fusion_jax.testing import experiments
 from rl_fusion_jax.testing.experiments import tiny
 from rl_fusion_jax.train import packing
 from rl_fusion_jax.train import step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# Trace events: every jit cache miss traces its function first (a compile, or a persistent-cache load).
-TRACE = "/jax/core/compile/jaxpr_trace_duration"
 
 
 def main_job(**overrides) -> config_lib.ExperimentConfig:
@@ -41,25 +37,8 @@ def main_job(**overrides) -> config_lib.ExperimentConfig:
 def traces_per_step(cfg, workdir: str) -> tuple[list[list[str]], list[dict]]:
   """(the functions traced during each RL step and after it until the next, step 1 first; the steps'
   metrics)."""
-  events: list[str] = []
-  listener = lambda event, duration, **kw: events.append(kw.get("fun_name", "?")) if event == TRACE else None
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  marks: list[int] = []
-  original = phases.rl_step
-
-  def marked(*args, **kwargs):
-    marks.append(len(events))
-    return original(*args, **kwargs)
-
-  phases.rl_step = marked
-  try:
-    loop.run(cfg, workdir)
-  finally:
-    phases.rl_step = original
-    jax.monitoring.unregister_event_duration_listener(listener)
-  bounds = marks + [len(events)]
-  rows = [r for r in metrics_lib.read_metrics(workdir) if "loss" in r]
-  return [events[a:b] for a, b in zip(bounds, bounds[1:])], rows
+  traced = experiments.traces_per_step(cfg, workdir)
+  return traced, [r for r in metrics_lib.read_metrics(workdir) if "loss" in r]
 
 
 def test_main_job_compiles_nothing_after_its_first_step(tmp_path):

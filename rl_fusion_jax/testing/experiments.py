@@ -70,3 +70,33 @@ def rl_step_traces() -> Iterator[dict[tuple[str, int], int]]:
     yield per_step
   finally:
     phases.rl_step = original
+
+
+def traces_per_step(cfg: config_lib.ExperimentConfig, workdir: str) -> list[list[str]]:
+  """Runs ``cfg`` in this process (``loop.run``) and returns the functions traced in each RL step (a
+  synchronous ``phases.rl_step`` or a ``StaleSync.step``), from its start to the start of the next (what
+  runs between, a checkpoint or an evaluation, counts with the step before), step 1 first. Every jit cache
+  miss traces its function first: a new compile, or a persistent-cache load."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from rl_fusion_jax.orchestration import loop, phases, stalesync  # pylint: disable=import-outside-toplevel
+  trace = "/jax/core/compile/jaxpr_trace_duration"
+  events: list[str] = []
+  listener = lambda event, duration, **kw: events.append(kw.get("fun_name", "?")) if event == trace else None
+  marks: list[int] = []
+
+  def marked(step_fn):
+    def fn(*args, **kwargs):
+      marks.append(len(events))
+      return step_fn(*args, **kwargs)
+    return fn
+
+  originals = phases.rl_step, stalesync.StaleSync.step
+  phases.rl_step, stalesync.StaleSync.step = marked(originals[0]), marked(originals[1])
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    loop.run(cfg, workdir)
+  finally:
+    phases.rl_step, stalesync.StaleSync.step = originals
+    jax.monitoring.unregister_event_duration_listener(listener)
+  bounds = marks + [len(events)]
+  return [events[a:b] for a, b in zip(bounds, bounds[1:])]
