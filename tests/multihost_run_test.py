@@ -51,6 +51,14 @@ def _metrics(workdir) -> list[dict]:
     return [json.loads(line) for line in f]
 
 
+def _recorded_steps(path: str) -> list[int]:
+  """Steps of the complete lines of a metrics file being written (the last line may still be partial)."""
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line)["step"] for line in f if line.endswith("\n") and line.strip()]
+
+
 def _assert_same_metrics(a: str, b: str, run_ends=(), only_in_a=(), a_up_to=None):
   """Equal metric rows, timings and what each host moved itself (``*_this_host``, ``*_hosts_sum``: it
   depends on the process count) aside; at ``run_ends`` (steps where b's run ended and was resumed: a run
@@ -83,7 +91,7 @@ def test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics(tm
   run = launch.start("grpo_main.py", args, processes=2, devices=2, log_dir=str(tmp_path / "two_logs"))
   metrics = os.path.join(workdir, "metrics.jsonl")
   deadline = time.monotonic() + RUN_TIMEOUT
-  while not (os.path.exists(metrics) and any(json.loads(l)["step"] >= 3 for l in open(metrics) if l.strip())):
+  while max(_recorded_steps(metrics), default=0) < 3:
     assert time.monotonic() < deadline and run.procs[0].poll() is None, run.log(0)[-3000:]
     time.sleep(0.02)
   run.kill(1)
@@ -94,7 +102,7 @@ def test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics(tm
   assert code != 0
   assert waited < 60, waited           # the heartbeat timeout is 10 s: no hang
   assert "another task died" in log and "heartbeat" in log, log[-3000:]
-  done = [json.loads(l)["step"] for l in open(metrics) if l.strip()]
+  done = _recorded_steps(metrics)
   assert max(done) < steps, "the run ended before the kill; the test needs a slower step"
 
   # The same two commands again: resumed from the last checkpoint, equal to the uninterrupted run.
@@ -135,7 +143,7 @@ def stalesync_stopped(tmp_path_factory) -> dict:
   args = _args(workdir, variant=":stalesync", steps=_STALESYNC_STEPS)
   run = launch.start("grpo_main.py", args, processes=2, devices=2, log_dir=str(tmp_path / "two_logs"))
   metrics = os.path.join(workdir, "metrics.jsonl")
-  run.wait_for(lambda: os.path.exists(metrics) and sum(1 for l in open(metrics) if l.strip()) >= 3,
+  run.wait_for(lambda: len(_recorded_steps(metrics)) >= 3,
                RUN_TIMEOUT, "step 2 recorded", interval=0.002)
   run.signal(signal.SIGTERM, 1)
   codes = run.wait(RUN_TIMEOUT)
