@@ -21,7 +21,7 @@ without a chat template all fail before anything compiles, naming the file or fi
 
 Hardware and runtime: meant for one GPU (or more: raise ``mesh.data`` / ``mesh.fsdp``); not yet measured
 on one, so no expected result is given here. ``:cpu`` picks the settings that are fast on a CPU backend
-(float32, a rolled layer scan, no remat, one device: see the variant's comment); no RL run of it has been
+(float32, no remat, the layers unrolled, one device: see the variant's comment); no RL run of it has been
 measured yet. tests/chat_test.py runs this config end to end for 2 steps on
 a tiny random checkpoint (rl_fusion_jax/testing/chat_fixture.py) on CPU.
 """
@@ -54,12 +54,14 @@ def get_config(arg: str = ""):
   c.warmup.steps = 0
   c.run.update(steps=200, checkpoint_every=50, progress_every_s=30.0, eval_every=50)
   if arg == "cpu":
-    # The settings that are fast on a CPU (BENCHMARKS.md, "Real-model decode on CPU and the stacked layer
-    # tree"): float32 compute (bfloat16 decoded 3.2x slower than float32 on a 2-core AMD EPYC without
-    # native bfloat16), a rolled layer scan (unrolled, every layer's slice of the stacked
-    # weights is copied before its matmuls: 303 ms against 123 ms a decode step of SmolLM2-135M), no
-    # remat, and one device (two would each read every weight for half the rows).
-    c.model.update(dtype="float32", remat="none", scan_unroll=1)
+    # The settings that are fast on a CPU (BENCHMARKS.md, "GRPO against TRL on SmolLM2-135M-Instruct" and
+    # "Real-model decode on CPU and the stacked layer tree"): float32 compute (bfloat16 decoded 3.2x slower
+    # than float32 on a 2-core AMD EPYC without native bfloat16), no remat, the layers unrolled (the CPU
+    # default, scan_unroll=0: a SmolLM2-135M GRPO step's update took 22.2 s unrolled against 25.1 s rolled,
+    # its generation 10.7 against 9.8 s; under bf16_matmul 13.8 against 15.6 and 6.3 against 6.7), and one
+    # device (two would each read every weight for half the rows). Unrolled, the first step compiles longer
+    # (65 against 48 s in float32, no compilation cache).
+    c.model.update(dtype="float32", remat="none", scan_unroll=0)
     c.mesh.cpu_devices = 1
     # The optimizer state stays put while generating: on a CPU "host memory" is the same RAM, so moving it
     # there and back only copies it (1.08 GB of AdamW state for SmolLM2-135M, twice a step; BENCHMARKS.md,
