@@ -60,7 +60,7 @@ def get_config(arg: str = ""):
     # default, scan_unroll=0: a SmolLM2-135M GRPO step's update took 22.2 s unrolled against 25.1 s rolled,
     # its generation 10.7 against 9.8 s; under bf16_matmul 13.8 against 15.6 and 6.3 against 6.7), and one
     # device (two would each read every weight for half the rows). Unrolled, the first step compiles longer
-    # (65 against 48 s in float32, no compilation cache).
+    # (65 against 48 s in float32, its programs not yet in the compilation cache).
     c.model.update(dtype="float32", remat="none", scan_unroll=0)
     c.mesh.cpu_devices = 1
     # The optimizer state stays put while generating: on a CPU "host memory" is the same RAM, so moving it
