@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_fusion_jax.rollout.sampling import SamplingParams, sample, sample_keys, truncate_logits
+from rl_fusion_jax.rollout.sampling import (SamplingParams, categorical, first_argmax, sample, sample_keys,
+                                            truncate_logits)
 
 
 def test_top_k_keeps_k_largest():
@@ -42,6 +43,30 @@ def test_greedy_is_argmax():
   tokens, _ = sample(logits, sample_keys(jax.random.key(0), jnp.arange(5), jnp.zeros(5, jnp.int32)),
                      SamplingParams(temperature=0.0))
   np.testing.assert_array_equal(np.asarray(tokens), np.argmax(np.asarray(logits), -1))
+
+
+def test_first_argmax_is_numpys_argmax_with_ties_infinities_and_nans():
+  x = np.array(jax.random.normal(jax.random.key(4), (7, 300)), np.float32)
+  x[1, [5, 17, 250]] = 9.0                         # ties: the first index wins
+  x[2] = np.finfo(np.float32).min                  # a row truncated everywhere
+  x[3, 40], x[3, 200] = np.inf, np.inf
+  x[4, 10], x[4, 99] = np.nan, 50.0                # NaN counts as the maximum, as np.argmax has it
+  x[5, [30, 31]] = np.nan
+  x[6] = -np.inf
+  np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 1.0), (0, 0.8)])
+def test_categorical_draws_the_tokens_jax_random_categorical_draws(top_k, top_p):
+  """The same key gives the same token as jax.random.categorical, on a vocabulary of SmolLM2's width
+  (ties between truncated logits included)."""
+  logits = jax.random.normal(jax.random.key(5), (16, 49152)) * 4
+  logits = truncate_logits(logits, top_k, top_p)
+  keys = sample_keys(jax.random.key(6), jnp.arange(16) + 100, jnp.arange(16))
+  ours = np.asarray(jax.jit(categorical)(keys, logits))
+  theirs = np.asarray(jax.jit(jax.vmap(jax.random.categorical))(keys, logits))
+  np.testing.assert_array_equal(ours, theirs)
+  assert ours.dtype == np.int32
 
 
 def test_stream_depends_on_sample_and_token_not_row():
