@@ -59,9 +59,9 @@ def first_argmax(x_bv: jax.Array) -> jax.Array:
   """``jnp.argmax(x_bv, axis=-1)`` (the first maximum; the first NaN where a row has one), as int32.
 
   Written as a max, then the smallest index that reaches it: XLA:CPU runs ``argmax``'s reduction over
-  (value, index) pairs as one scalar loop, and fuses whatever computes ``x_bv`` into it. Two plain
-  reductions vectorize: over a SmolLM2 vocabulary (32 x 49,152 logits, 2-core AMD EPYC) 0.8 ms against
-  3.6 ms, and sampling with Gumbel noise 5.9 ms against 20.2 ms.
+  (value, index) pairs as one scalar loop, and fuses whatever computes ``x_bv`` into it; two plain
+  reductions vectorize (``experiments/benchmark_sampling.py``; BENCHMARKS.md, "Sampling over a
+  49,152-token vocabulary").
   """
   max_b1 = jnp.max(x_bv, axis=-1, keepdims=True)
   hit_bv = (x_bv == max_b1) | jnp.isnan(x_bv)
