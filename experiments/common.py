@@ -120,6 +120,8 @@ def setup_jax(cpu_devices: int, cache_dir: str, distributed=None) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
   quiet_libraries()
   import jax  # pylint: disable=g-import-not-at-top
+  from rl_fusion_jax import gc_policy  # pylint: disable=g-import-not-at-top
+  gc_policy.tune()
   if distributed is not None:   # before anything starts the backend
     from rl_fusion_jax import distributed as distributed_lib  # pylint: disable=g-import-not-at-top
     distributed_lib.initialize(distributed)

@@ -136,6 +136,8 @@ def run_mesh(mesh_cfg, update: bool) -> dict:
 
 
 def main(port: int, process_id: int) -> None:
+  from rl_fusion_jax import gc_policy
+  gc_policy.tune()
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                              process_id=process_id)
   from rl_fusion_jax.config import MeshConfig
