@@ -82,7 +82,8 @@ def test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics(tm
   while generating; the reference is checkpointed and restored): 2 processes equal 1, also after process 1
   is killed and the same two commands resume. (Synchronous colocated runs across processes: the StaleSync
   tests below run colocated; the other modes: test_deployment_modes_across_processes_equal_one_process.)"""
-  steps, extra = 6, ["--config.fusion.mode=full"]
+  # A 4 s heartbeat timeout (the binaries' default is 10 s): the survivor notices the kill sooner.
+  steps, extra = 6, ["--config.fusion.mode=full", "--heartbeat_timeout_s=4"]
   reference = _run(tmp_path, "one", 1, 4, variant=":kl", steps=steps, extra=extra)
 
   # Two processes; process 1 is killed once step 3 is recorded (after the checkpoint of step 2).
@@ -100,7 +101,7 @@ def test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics(tm
   waited = time.monotonic() - killed_at
   log = run.log(0)
   assert code != 0
-  assert waited < 60, waited           # the heartbeat timeout is 10 s: no hang
+  assert waited < 60, waited           # the heartbeat timeout is 4 s: no hang
   assert "another task died" in log and "heartbeat" in log, log[-3000:]
   done = _recorded_steps(metrics)
   assert max(done) < steps, "the run ended before the kill; the test needs a slower step"
