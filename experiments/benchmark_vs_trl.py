@@ -186,6 +186,8 @@ def torch_matmul_rates(workload_path: str) -> dict:
 
 def matmul_rates(workload_path: str, shapes: list[list[int]]) -> dict:
   """GFLOP/s per shape: JAX on one device, JAX with the rows split over the devices, torch."""
+  # After the table: about 2 minutes at SmolLM2-135M's shapes (its lm head among them, 2 cores): say so.
+  print(f"measuring matmul GFLOP/s at the workload's {len(shapes)} shapes (torch, then JAX)...", flush=True)
   torch_rates = torch_matmul_rates(workload_path)
   rates = {"jax_1_device": jax_matmul_rates(shapes, False), "jax_rows_split": jax_matmul_rates(shapes, True),
            "torch": torch_rates["matmul"], "torch_threads": torch_rates["threads"]}
