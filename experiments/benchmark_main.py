@@ -6,7 +6,9 @@ Prints median step time and per-phase seconds and tokens/s (generate, train, ove
 host scoring, reference log-probs, batch assembly), plus the first step's time (compile included; the
 persistent compilation cache makes later runs' first step fast), the wall time of every step, the first
 included (`run_steps_s`), and the programs compiled after the first step and their seconds
-(`compiles_after_first_step`, `compile_s_after_first_step`: a step that meets a new shape); with
+(`compiles_after_first_step`, `compile_s_after_first_step`: a step that meets a new shape), and where
+the start-up's and the first step's compile time went (`startup_compile_s`, `first_step_compile_s`:
+tracing, lowering and XLA's compile per program, from JAX's compile events); with
 --turn_steps, `run_steps_s` includes the other side's turns. `generate_cores` and `train_cores`: the
 phase's process CPU seconds (every thread: the host loop and XLA's pools) per wall second, medians over
 the measured steps: how many of the machine's cores the phase keeps busy (compare the thread counts of
@@ -121,6 +123,35 @@ def model_flops(cfg, response_len_mean: float) -> dict[str, float]:
   return {"generate": 2 * matmul_params * gen_tokens, "train": 6 * matmul_params * train_tokens}
 
 
+class CompileEvents:
+  """JAX's compile events in this process (``jax.monitoring`` durations), per program; ``take`` returns those
+  since the last call: {"total": {trace, lower, compile}, "programs": {name: {...}}}, seconds, the programs
+  that took at least 0.05 s in all. ``compile`` is XLA's (or a persistent-cache load). A program jitted
+  inside another is traced inside its caller's trace: its tracing counts in both."""
+
+  KINDS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+           "/jax/core/compile/backend_compile_duration": "compile"}
+
+  def __init__(self):
+    self.events: list[tuple[str, str, float]] = []
+
+  def record(self, event: str, duration: float, **kwargs) -> None:
+    if event in self.KINDS:
+      name = str(kwargs.get("fun_name") or "?")
+      self.events.append((self.KINDS[event], name.removeprefix("jit(").removesuffix(")"), duration))
+
+  def take(self) -> dict:
+    events, self.events = self.events, []
+    zero = lambda: dict.fromkeys(("trace", "lower", "compile"), 0.0)
+    total, programs = zero(), {}
+    for kind, name, seconds in events:
+      total[kind] += seconds
+      programs.setdefault(name, zero())[kind] += seconds
+    rnd = lambda d: {k: round(v, 3) for k, v in d.items()}
+    return {"total": rnd(total), "programs": {n: rnd(p) for n, p in programs.items() if sum(p.values()) >= 0.05}}
+
+
 def main(argv):
   del argv
   t_start = time.perf_counter()
@@ -133,6 +164,8 @@ def main(argv):
   from rl_fusion_jax.orchestration.programs import Programs
   from rl_fusion_jax.train import state as state_lib
 
+  compile_events = CompileEvents()
+  jax.monitoring.register_event_duration_secs_listener(compile_events.record)
   setup = setup_lib.validate(cfg, jax.device_count())
   distributed.check_same_config(config_lib.as_dict(cfg))
   programs = Programs(setup)
@@ -152,8 +185,10 @@ def main(argv):
       lambda event, duration, **kw: compiles.append(duration)
       if after_first[0] and event == "/jax/core/compile/backend_compile_duration" else None)
   t0 = time.perf_counter()
+  startup_compiles = compile_events.take()
   state, first = phases.rl_step(setup, programs, state, ref, 0, timeline)
   first_s = time.perf_counter() - t0
+  first_compiles = compile_events.take()
   after_first[0] = True
   rows = []
   maybe_end_turn(0, rows)
@@ -187,6 +222,7 @@ def main(argv):
       "median_step_s": round(step_s, 4), "first_step_s": round(first_s, 3), "run_steps_s": round(run_s, 3),
       "compiles_after_first_step": len(compiles), "compile_s_after_first_step": round(sum(compiles), 3),
       "startup_s": round(t0 - t_start, 3),
+      "startup_compile_s": startup_compiles, "first_step_compile_s": first_compiles,
       "generate_s": round(gen_s, 4), "train_s": round(train_s, 4),
       "generate_cores": cores("generate"), "train_cores": cores("train"),
       "overhead_s": round(med("overhead_s"), 4),
