@@ -5,8 +5,9 @@ Python's default thresholds (700, 10, 10) the collector runs hundreds of times w
 full collection walks every object the process holds (jax, flax and the run's own). A profile of the main
 job's first steps (`perf record`, 1 layer, compilation cache filled) put 11% of the process's CPU time in
 the collector. ``tune`` moves what exists when it is called (the imported libraries: never garbage) out of
-the collector's reach (``gc.freeze``) and collects less often; the binaries (``experiments/common.setup_jax``)
-and the tests (``tests/conftest.py``) call it after importing jax.
+the collector's reach (``gc.freeze``) and collects less often. The binaries (``experiments/common.setup_jax``)
+and the worker processes the tests start call it after importing jax; ``tests/conftest.py`` makes the same
+two calls.
 
 Cycles are still collected, later: a young generation of 10,000 objects instead of 700.
 """
