@@ -9,12 +9,10 @@ gave the same tokens: the Gumbel-max draw (``sampling.categorical`` against
 ``jnp.argmax``), and the Gumbel noise alone (``jax.random.gumbel``, what any exact draw computes).
 """
 import json
-import statistics
-import time
 
 from absl import app, flags
 
-import common  # noqa: F401  (the repository root on sys.path)
+import common
 
 _ROWS = flags.DEFINE_integer("rows", 32, "Rows (sequences decoded at once).")
 _VOCAB = flags.DEFINE_integer("vocab", 49152, "Vocabulary size (SmolLM2's by default).")
@@ -22,14 +20,7 @@ _REPEATS = flags.DEFINE_integer("repeats", 50, "Timed calls per form.")
 
 
 def _median_ms(fn, *args) -> float:
-  import jax  # pylint: disable=g-import-not-at-top
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(_REPEATS.value):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return 1000 * statistics.median(times)
+  return 1000 * common.median_seconds(fn, *args, repeats=_REPEATS.value)
 
 
 def main(argv):
