@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from rl_fusion_jax import models
-from rl_fusion_jax.models import decoder, layers
+from rl_fusion_jax.models import decoder, kv_cache, layers
 
 CFG = models.ModelConfig(vocab_size=48, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                          intermediate_size=64, qkv_bias=True, rope_theta=10000.0)
@@ -162,6 +162,14 @@ def _as_words_and_not(monkeypatch, run):
   return words, run()
 
 
+def _flat_paths(tree, prefix=()):
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      yield from _flat_paths(value, prefix + (key,))
+    else:
+      yield prefix + (key,), value
+
+
 def _assert_trees_equal(a, b):
   assert jax.tree.structure(a) == jax.tree.structure(b)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
@@ -233,6 +241,49 @@ def test_half_precision_cached_decoding_equals_the_float32_path(monkeypatch, dty
   words, plain = _as_words_and_not(monkeypatch, run)
   assert words[1]["k"].dtype == cfg.compute_dtype and float(jnp.max(jnp.abs(words[1]["k"][:, :, :, 7]))) > 0
   _assert_trees_equal(words, plain)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_decoding_params_cast_the_kernels_once_and_change_no_result(monkeypatch, moe):
+  # bf16_matmul over float32 weights, every layer unrolled: each layer's projection kernels come out cast to
+  # bfloat16 (the cast every matmul makes of them), the rest as stored; prefill and a decode step give the
+  # logits and cache of the layer scan over the stacked float32 params bit for bit.
+  cfg = dataclasses.replace(_half_config("bf16_matmul", 0, moe), param_dtype="float32")
+  params = models.init_params(cfg, jax.random.key(1), init_std=0.3)
+  prepared = models.decoding_params(cfg, params)
+  assert isinstance(prepared, models.DecodeParams) and len(prepared.layers) == cfg.num_layers
+  for (name, index), layer in zip(cfg.layer_stacks, prepared.layers):
+    paths = []
+    for path, x in jax.tree_util.tree_flatten_with_path(layer)[0]:
+      stacked = params[name]
+      for key in path:
+        stacked = stacked[key.key]
+      assert path[-1].key == "kernel" and x.dtype == jnp.bfloat16, (name, path)
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(stacked[index].astype(jnp.bfloat16)))
+      paths.append(tuple(k.key for k in path))
+    # Every projection (attention, the dense or shared-expert MLP) and nothing else: the router and the
+    # routed experts are read from the stacks as before (not every matmul of them casts alike).
+    expected = [p for p, _ in _flat_paths(params[name]) if p[-1] == "kernel"]
+    assert sorted(paths) == sorted(expected) and expected
+  _assert_trees_equal(prepared.params, params)
+  prompts = jnp.asarray(np.random.default_rng(0).integers(0, 48, size=(2, 5)), jnp.int32)
+
+  def run(p):
+    step = jax.jit(lambda p, *args: models.forward_with_cache(cfg, p, *args))   # traced anew each time
+    logits, cache = step(p, prompts, jnp.broadcast_to(jnp.arange(5), (2, 5)), models.init_cache(cfg, 2, 8))
+    logits_1, cache = step(p, jnp.argmax(logits[:, -1:], -1).astype(jnp.int32), jnp.full((2, 1), 5), cache)
+    return logits, logits_1, cache
+
+  # Nothing to prepare: float32 matmuls, bfloat16 compute (a loop would round its intermediates elsewhere),
+  # or layers in a loop (a stack read per iteration; the MoE model's stacks alternate, one layer per run,
+  # so they are unrolled at any scan_unroll).
+  assert models.decoding_params(dataclasses.replace(cfg, dtype="float32"), params) is params
+  assert models.decoding_params(dataclasses.replace(cfg, dtype="bfloat16"), params) is params
+  assert (models.decoding_params(dataclasses.replace(cfg, scan_unroll=1), params) is params) == (not moe)
+  prepared_out = run(prepared)
+  monkeypatch.setattr(kv_cache, "CAST_ONCE", False)
+  assert models.decoding_params(cfg, params) is params
+  _assert_trees_equal(prepared_out, run(params))
 
 
 def test_init_params_shapes_dtypes_and_values():

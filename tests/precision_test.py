@@ -16,6 +16,7 @@ from rl_fusion_jax import models
 from rl_fusion_jax.config import MeshConfig
 from rl_fusion_jax.models import layers
 from rl_fusion_jax.rollout.decode import GenerateSpec
+from rl_fusion_jax.rollout.engine import Engine, EngineConfig, Request
 from rl_fusion_jax.rollout.sampling import SamplingParams
 from rl_fusion_jax.sharding.mesh import make_mesh
 from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
@@ -115,6 +116,28 @@ def test_generation_logprobs_match_the_training_forward_under_bf16_matmul(mesh_c
   train_logp = np.asarray(jax.jit(lambda q, t: token_logprobs(cfg, q, t))(params, out.tokens_bt))
   np.testing.assert_allclose(out.logp_bt[:, p:], train_logp[:, p:], atol=1e-3)
   assert np.isfinite(out.logp_bt).all() and (out.logp_bt[:, p:] < 0).all()
+
+
+def test_engine_under_bf16_matmul_samples_what_the_generator_does():
+  # The engine's decode chunk casts each layer's kernels to bfloat16 once (`models.decoding_params`); the
+  # reference Generator casts them in every matmul. Same tokens, the same log-probs, sharded over tensor.
+  cfg = dataclasses.replace(CFG, dtype="bf16_matmul")
+  mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+  shardings = param_shardings(models.abstract_params(cfg), models.param_logical_axes(cfg), mesh, TRAIN_RULES)
+  params = jax.device_put(models.init_params(cfg, jax.random.key(3), init_std=0.5), shardings)
+  assert isinstance(models.decoding_params(cfg, params), models.DecodeParams)
+  p, n, b = 6, 10, 8
+  spec = GenerateSpec(cfg, SamplingParams(1.0), p, n, -1)
+  toks = np.random.default_rng(2).integers(3, 60, (b, p)).astype(np.int32)
+  ref = jax.device_get(Generator(spec, mesh, shardings)(params, jnp.asarray(toks), jnp.full((b,), p, jnp.int32),
+                                                       jnp.arange(b, dtype=jnp.int32), jax.random.key(0),
+                                                       jnp.int32(0)))
+  engine = Engine(EngineConfig(spec, num_slots=4, chunk_steps=3), mesh, shardings)
+  engine.add([Request(i, i, toks[i]) for i in range(b)])
+  got = engine.run(params, 0).rollout
+  order = np.argsort(got.sample_id_b)
+  np.testing.assert_array_equal(got.tokens_bt[order], ref.tokens_bt)
+  np.testing.assert_allclose(got.logp_bt[order], ref.logp_bt, atol=2e-5)
 
 
 def test_micro_batch_gradients_accumulate_in_float32_for_bfloat16_params():

@@ -15,14 +15,17 @@ from rl_fusion_jax.models.decoder import (
     param_logical_axes,
 )
 from rl_fusion_jax.models.hf_io import load_hf, save_hf
-from rl_fusion_jax.models.kv_cache import KVCache, cache_logical_axes, forward_with_cache, init_cache
+from rl_fusion_jax.models.kv_cache import (DecodeParams, KVCache, cache_logical_axes, decoding_params,
+                                          forward_with_cache, init_cache)
 
 __all__ = [
+    "DecodeParams",
     "KVCache",
     "ModelConfig",
     "Params",
     "abstract_params",
     "cache_logical_axes",
+    "decoding_params",
     "forward",
     "forward_with_cache",
     "init_cache",

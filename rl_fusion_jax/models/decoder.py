@@ -11,7 +11,7 @@ import collections
 import functools
 import itertools
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -171,6 +171,19 @@ def _default_unroll(num_layers: int, remat: str = "none") -> int:
   return num_layers if jax.default_backend() == "cpu" and remat == "none" else 1
 
 
+def _overlay(tree: dict, over: dict) -> dict:
+  """``tree`` with the leaves that the nested dict ``over`` holds replaced by them."""
+  return {k: (_overlay(v, over[k]) if isinstance(v, dict) else over[k]) if k in over else v
+          for k, v in tree.items()}
+
+
+def unrolled_without_grad(cfg: ModelConfig) -> bool:
+  """Whether a pass that is never differentiated (prefill, decode) unrolls every layer of `cfg`: each run
+  of `layer_runs` at `scan_unroll` (0: `_default_unroll`) layers per iteration is one iteration."""
+  return all(min(cfg.scan_unroll or _default_unroll(count), count) == count
+             for _, _, count, _ in layer_runs(cfg.layer_stacks))
+
+
 def layer_runs(stacks: tuple[tuple[str, int], ...]) -> list[tuple[str, int, int, int]]:
   """Maximal runs of consecutive layers in one stack: (stack, first index in it, count, first layer)."""
   runs: list[list] = []
@@ -205,13 +218,25 @@ class Decoder(nnx.Module):
       self.lm_head = LMHead(cfg, init_std=init_std, rngs=rngs)
 
   def scan_layers(self, step: Callable[[DecoderLayer, Any, jax.Array], Any], carry: Any, *,
-                  differentiable: bool = True) -> Any:
+                  differentiable: bool = True, layers: Sequence[dict] | None = None) -> Any:
     """Folds `carry = step(layer_i, carry, i)` over the layers in order with `lax.scan` (one traced layer
     per run of `layer_runs`; `scan_unroll` layers per loop iteration); `i` is the global layer index.
 
     Where the result is differentiated, each layer is rematerialized under the `remat` policy;
-    `differentiable=False` (cached decoding) skips the checkpoint wrapper.
+    `differentiable=False` (cached decoding) skips the checkpoint wrapper. With `layers` (never
+    differentiated; `kv_cache.decoding_params`: per layer, params that replace its reads, its cast kernels)
+    every layer is unrolled as a Python loop, `i` a Python int, the rest of each layer's params read from
+    the stacks at that constant index (`layers.read_index`).
     """
+    if layers is not None:
+      split = {name: nnx.split(getattr(self, name)) for name, _ in self.layer_stacks}
+      for i, (name, index) in enumerate(self.layer_stacks):
+        graphdef, stacked = split[name]
+        pure = jax.tree.map(lambda x: read_index(x, index), nnx.to_pure_dict(stacked))
+        state = jax.tree.map(lambda v: v, stacked)
+        nnx.replace_by_pure_dict(state, _overlay(pure, layers[i]))
+        carry = step(nnx.merge(graphdef, state), carry, i)
+      return carry
     for name, start, count, first in layer_runs(self.layer_stacks):
       graphdef, state = nnx.split(getattr(self, name))
       total = jax.tree.leaves(state)[0].shape[0]

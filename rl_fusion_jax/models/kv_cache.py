@@ -11,14 +11,67 @@ over the rows (`layers.write_rows`), so a cache sharded over B is written shard-
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from rl_fusion_jax.model_config import DTYPES, ModelConfig
-from rl_fusion_jax.models.decoder import Params, _check_tokens, bind
+from rl_fusion_jax.models.decoder import Params, _check_tokens, bind, unrolled_without_grad
 
 KVCache = dict[str, jax.Array]
+# `decoding_params` prepares params (True) or returns them as given (False: every projection casts its kernel,
+# as before). Read while tracing: for A/B runs (experiments/benchmark_real_generate.py --cast_once_ab) and the
+# tests' equality checks.
+CAST_ONCE = True
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("params", "layers"), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class DecodeParams:
+  """Params prepared once for many cached forwards (`decoding_params`): ``layers`` holds, per global layer
+  index, that layer's projection kernels already in the matmul dtype (a nested dict of the kernels only);
+  ``params`` the params as given (everything else is read from them, as without preparation)."""
+  params: Params
+  layers: tuple
+
+
+def decoding_params(cfg: ModelConfig, params: Params) -> Params | DecodeParams:
+  """``params`` prepared for the cached forwards of one program (a decode chunk: every decode step and
+  refill of it): where every layer is unrolled (`decoder.unrolled_without_grad`: the CPU default), the
+  compute is float32 and the matmul dtype is narrower than the projection kernels ('bf16_matmul' over
+  float32 weights), each layer's projection kernels are sliced out of the stacks and cast to the matmul
+  dtype once, and the cached forwards run the layers as a Python loop that reads them (a constant layer
+  index).
+
+  Without it every refill's prefill casts every kernel again (a branch of the decode loop's conditional,
+  out of which XLA hoists nothing; SmolLM2-135M-Instruct, batch 32: BENCHMARKS.md). The cast is the one
+  each projection makes of its kernel (`layers.Projection`: a `mixed_matmul` casts both inputs to the
+  matmul dtype), so the results are the same bit for bit; the program holds the cast kernels (half their
+  float32 bytes) while it runs. Other weights (norms, biases, an MoE's router and routed experts) are read
+  from ``params`` as before. Otherwise ``params`` is returned as it is: under 'bfloat16' compute a loop
+  in place of the layer scan would move XLA's fusion boundaries, and with them where bfloat16
+  intermediates are rounded."""
+  low = jnp.dtype(cfg.matmul_dtype)
+  if not (CAST_ONCE and unrolled_without_grad(cfg) and jnp.dtype(cfg.compute_dtype) == jnp.float32):
+    return params
+  layers = tuple(_cast_kernels(params[name], index, low) for name, index in cfg.layer_stacks)
+  return DecodeParams(params, layers) if any(layers) else params
+
+
+def _cast_kernels(tree: dict, index: int, low) -> dict:
+  """The ``kernel`` leaves of one stack's ``tree`` wider than ``low``, at layer ``index``, cast to ``low``
+  (nested like ``tree``; subtrees without one left out)."""
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      if sub := _cast_kernels(value, index, low):
+        out[key] = sub
+    elif key == "kernel" and low.itemsize < jnp.dtype(value.dtype).itemsize:
+      out[key] = value[index].astype(low)
+  return out
 
 
 def cache_logical_axes() -> tuple[str, ...]:
@@ -65,6 +118,9 @@ def forward_with_cache(cfg: ModelConfig, params: Params, tokens_bt: Int[Array, "
   entries), and the logits of such a token are meaningless.
   """
   _check_tokens(tokens_bt, positions_bt=positions_bt)
+  layers = None
+  if isinstance(params, DecodeParams):
+    params, layers = params.params, params.layers
   max_len = _check_cache(cfg, cache, tokens_bt.shape[0])
   positions_bt = positions_bt.astype(jnp.int32)
   in_range_bt = (positions_bt >= 0) & (positions_bt < max_len)
@@ -79,5 +135,5 @@ def forward_with_cache(cfg: ModelConfig, params: Params, tokens_bt: Int[Array, "
     return layer.with_cache(x_btd, positions_bt, mask_bts, cache, index, write_bt)
 
   # The cache rides in the scan carry, so each layer's writes update the (donated) buffers in place.
-  x_btd, cache = model.scan_layers(step, (x_btd, cache), differentiable=False)
+  x_btd, cache = model.scan_layers(step, (x_btd, cache), differentiable=False, layers=layers)
   return model.logits(x_btd), cache

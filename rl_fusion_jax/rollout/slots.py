@@ -63,6 +63,7 @@ def prefill(spec: GenerateSpec, width: int, params, cache, state: SlotState, slo
   prefix equals its own.
   """
   num_slots = state.done_s.shape[0]
+  params = models.decoding_params(spec.model, params)
   state = _admit(state, jnp.where(is_new_r, slot_r, num_slots), prompt_rp, prompt_len_r, sample_id_r,
                  forced_len_r)
   tokens_rw = state.tokens_st.at[slot_r if lead_u is None else lead_u, :width].get(mode="fill", fill_value=0)
@@ -209,6 +210,8 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique
   num_slots = state.done_s.shape[0]
   num_pending = pending.sample_id_q.shape[0]
   num_groups = target.remaining_g.shape[0]
+  # Each layer's kernels cast to the matmul dtype once for the chunk, not in every step and refill.
+  params = models.decoding_params(spec.model, params)
   left = lambda c: pending.count - c.ptr
 
   def can_refill(c):
