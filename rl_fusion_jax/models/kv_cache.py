@@ -109,6 +109,7 @@ def forward_with_cache(cfg: ModelConfig, params: Params, tokens_bt: Int[Array, "
                        positions_bt: Int[Array, "B T"], cache: KVCache
                        ) -> tuple[Float[Array, "B T V"], KVCache]:
   """Float32 logits [B, T, V] and the updated cache. Jit with `cfg` static and the cache donated.
+  ``params``: the params, or `decoding_params`' preparation of them (the same results).
 
   Token (b, t) sits at absolute position p = positions_bt[b, t]: its k/v are written at cache index p of
   row b, then it attends to row b's entries with index <= p (higher entries are stale and masked).
