@@ -162,14 +162,6 @@ def _as_words_and_not(monkeypatch, run):
   return words, run()
 
 
-def _flat_paths(tree, prefix=()):
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      yield from _flat_paths(value, prefix + (key,))
-    else:
-      yield prefix + (key,), value
-
-
 def _assert_trees_equal(a, b):
   assert jax.tree.structure(a) == jax.tree.structure(b)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
@@ -263,7 +255,8 @@ def test_decoding_params_cast_the_kernels_once_and_change_no_result(monkeypatch,
       paths.append(tuple(k.key for k in path))
     # Every projection (attention, the dense or shared-expert MLP) and nothing else: the router and the
     # routed experts are read from the stacks as before (not every matmul of them casts alike).
-    expected = [p for p, _ in _flat_paths(params[name]) if p[-1] == "kernel"]
+    expected = [tuple(k.key for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(params[name])[0]
+                if path[-1].key == "kernel"]
     assert sorted(paths) == sorted(expected) and expected
   _assert_trees_equal(prepared.params, params)
   prompts = jnp.asarray(np.random.default_rng(0).integers(0, 48, size=(2, 5)), jnp.int32)

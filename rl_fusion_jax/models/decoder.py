@@ -58,7 +58,7 @@ def _scan(graphdef, state, step, carry, first: int, count: int, remat: str, unro
     return step(nnx.merge(graphdef, layer_state), carry, index), None
 
   indices = jnp.arange(first, first + count, dtype=jnp.int32)
-  unroll = min(unroll or _default_unroll(count, remat), count)
+  unroll = _resolved_unroll(unroll, count, remat)
   if any(half_as_words(x.dtype) for x in jax.tree.leaves(state)):
     if not differentiable:
       return _scan_words(body, carry, state, indices, unroll)
@@ -177,11 +177,16 @@ def _overlay(tree: dict, over: dict) -> dict:
           for k, v in tree.items()}
 
 
+def _resolved_unroll(unroll: int, count: int, remat: str = "none") -> int:
+  """Layers per loop iteration of a run of `count` layers: `scan_unroll` (0: `_default_unroll`), at most
+  `count`."""
+  return min(unroll or _default_unroll(count, remat), count)
+
+
 def unrolled_without_grad(cfg: ModelConfig) -> bool:
   """Whether a pass that is never differentiated (prefill, decode) unrolls every layer of `cfg`: each run
-  of `layer_runs` at `scan_unroll` (0: `_default_unroll`) layers per iteration is one iteration."""
-  return all(min(cfg.scan_unroll or _default_unroll(count), count) == count
-             for _, _, count, _ in layer_runs(cfg.layer_stacks))
+  of `layer_runs` is one loop iteration (`_resolved_unroll`, as `_scan` resolves it)."""
+  return all(_resolved_unroll(cfg.scan_unroll, count) == count for _, _, count, _ in layer_runs(cfg.layer_stacks))
 
 
 def layer_runs(stacks: tuple[tuple[str, int], ...]) -> list[tuple[str, int, int, int]]:
@@ -229,7 +234,7 @@ class Decoder(nnx.Module):
     the stacks at that constant index (`layers.read_index`).
     """
     if layers is not None:
-      split = {name: nnx.split(getattr(self, name)) for name, _ in self.layer_stacks}
+      split = {name: nnx.split(getattr(self, name)) for name in {name for name, _ in self.layer_stacks}}
       for i, (name, index) in enumerate(self.layer_stacks):
         graphdef, stacked = split[name]
         pure = jax.tree.map(lambda x: read_index(x, index), nnx.to_pure_dict(stacked))
