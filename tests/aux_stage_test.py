@@ -13,6 +13,7 @@ from rl_fusion_jax import config as config_lib
 from rl_fusion_jax import models
 from rl_fusion_jax.config import MeshConfig
 from rl_fusion_jax.models import ModelConfig, reward_model
+from rl_fusion_jax.orchestration import aux_stage as aux_stage_lib
 from rl_fusion_jax.orchestration.aux_stage import AuxStage
 from rl_fusion_jax.sharding import mesh as mesh_lib
 from rl_fusion_jax.sharding.mesh import make_mesh
@@ -107,6 +108,35 @@ def test_evicted_and_unscored_samples_are_scored_when_asked_for():
                              rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="buffer holds 10"):
     stage.take(_samples(12, cfg.model.config.vocab_size), None, SEQ_LEN)
+
+
+def test_fetched_reference_holds_the_response_log_probs_as_the_queue_field():
+  # The reference log-probs fetched for the queue's ref_logp field: the samples scored early and those
+  # scored now (never submitted) alike, response positions only (prompt positions 0), more than one
+  # FETCH_BLOCK of them, and the bytes that crossed.
+  cfg, mesh, params, fn, stage = _setup(capacity=200)
+  block = aux_stage_lib.FETCH_BLOCK
+  batch = _samples(160, cfg.model.config.vocab_size, seed=5)
+  assert batch.response_len_b.sum() > block
+  stage.begin(params, None, 0)
+  stage.submit(_part(batch, np.arange(0, 100)))
+  rows, scores, metrics = stage.fetch(batch)
+  assert scores is None                                           # no reward model in this stage
+  assert not stage.slot_of and len(stage.free) == 200          # released: the queue holds them now
+  blocks = -(-int(batch.response_len_b.sum()) // block)
+  assert metrics == {"link_bytes/aux_to_host": float(blocks * block * 4)}
+  lengths = batch.prompt_len_b + batch.response_len_b
+  layout = packing.plan(lengths, SEQ_LEN, packing.row_buckets(160, 2, per_doubling=2), groups=2)
+  placed, _ = packed_step.place_rows(mesh, layout, tokens_bt=batch.tokens_bt, behaviour_logp_bt=batch.logp_bt,
+                                     version_bt=batch.version_bt, prompt_len_b=batch.prompt_len_b, vocab_size=128)
+  positions, segments, _, _ = packed_step.make_row_layout(mesh)(placed)
+  want = layout.unpack(np.asarray(fn(params, placed.tokens_rw, positions, segments)), SEQ_LEN)
+  assert [len(r) for r in rows] == lengths.tolist()
+  for b, row in enumerate(rows):
+    p = batch.prompt_len_b[b]
+    np.testing.assert_array_equal(row[:p], 0.0)
+    np.testing.assert_allclose(row[p:], want[b, p:lengths[b]], rtol=1e-5, atol=1e-5)
+  assert max(np.abs(r).max(initial=0) for r in rows) > 0.1
 
 
 def test_reward_model_scores_early_equal_the_batch_scored_at_once():

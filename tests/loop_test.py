@@ -11,6 +11,7 @@ from rl_fusion_jax import metrics as metrics_lib
 from rl_fusion_jax.orchestration import loop
 from rl_fusion_jax.rewards import make_task
 from rl_fusion_jax.testing.experiments import tiny
+from rl_fusion_jax.testing.tiny import save_tiny_reward_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -120,19 +121,10 @@ def test_malformed_hf_checkpoint_fails_before_writing(tmp_path):
   assert not (tmp_path / "run").exists()
 
 
-def _save_reward_model(path, vocab_size=96, hidden=32):
-  import jax
-  from rl_fusion_jax.models import ModelConfig, reward_model
-  rm_cfg = ModelConfig(vocab_size=vocab_size, hidden_size=hidden, num_layers=1, num_heads=2,
-                       num_kv_heads=1, intermediate_size=32, qkv_bias=True, max_position_embeddings=32)
-  params = reward_model.init_reward_params(rm_cfg, jax.random.key(3), init_std=0.5)
-  reward_model.save_reward_model(rm_cfg, params, path)
-
-
 @pytest.mark.parametrize("mode", ["colocated", "full", "hybrid"])
 def test_learned_reward_model_adds_its_score(tmp_path, mode):
   rm_path = str(tmp_path / "rm")
-  _save_reward_model(rm_path)
+  save_tiny_reward_model(rm_path)
   cfg = tiny(**{"task.reward_model": rm_path, "task.reward_model_weight": 0.5, "run.steps": 1,
                 "fusion.mode": mode, **({"fusion.aux_devices": 4} if mode == "hybrid" else {})})
   loop.run(cfg, str(tmp_path / "run"))
@@ -154,7 +146,7 @@ def test_learned_reward_model_adds_its_score(tmp_path, mode):
 def test_reward_model_on_packed_rows_equals_the_padded_rows(tmp_path):
   # With optim.pack_rows the reward model scores the packed rows (no padded batch): the same first step.
   rm_path = str(tmp_path / "rm")
-  _save_reward_model(rm_path)
+  save_tiny_reward_model(rm_path)
   over = {"task.reward_model": rm_path, "task.reward_model_weight": 0.5, "run.steps": 1, "algo.kl_coef": 0.05}
   loop.run(tiny(**over), str(tmp_path / "padded"))
   loop.run(tiny(**over, **{"optim.pack_rows": True}), str(tmp_path / "packed"))
@@ -167,7 +159,7 @@ def test_reward_model_on_packed_rows_equals_the_padded_rows(tmp_path):
 def test_reward_model_with_wrong_shapes_fails_at_start(tmp_path):
   import safetensors.numpy
   rm_path = tmp_path / "rm"
-  _save_reward_model(str(rm_path))
+  save_tiny_reward_model(str(rm_path))
   tensors = safetensors.numpy.load_file(str(rm_path / "model.safetensors"))
   tensors["score.weight"] = tensors["score.weight"][:, :-1]
   safetensors.numpy.save_file(tensors, str(rm_path / "model.safetensors"))

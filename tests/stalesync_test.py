@@ -6,6 +6,7 @@ from rl_fusion_jax import metrics as metrics_lib
 from rl_fusion_jax.errors import ConfigError
 from rl_fusion_jax.orchestration import loop, stalesync
 from rl_fusion_jax.testing.experiments import tiny
+from rl_fusion_jax.testing.tiny import save_tiny_reward_model
 
 KEYS = ("reward", "loss", "grad_norm", "entropy", "response_len_mean", "accuracy", "kl_seq")
 
@@ -33,16 +34,33 @@ def stale(s, f, **over):
   return tiny(**{**base, **over})
 
 
-@pytest.mark.parametrize("mode", ["colocated", "separated"])
+@pytest.mark.parametrize("mode", ["colocated", "separated", "hybrid", "hybrid_packed", "hybrid_rm"])
 def test_staleness_zero_is_the_synchronous_loop(tmp_path, mode):
-  over = {"fusion.mode": mode, "algo.kl_coef": 0.05, "run.steps": 2, "rollout.max_new_tokens": 6,
-          "model.max_position_embeddings": 32}
+  # hybrid: the reference's log-probs (and a reward model's scores, hybrid_rm) reach the update through
+  # the queue's ref_logp (rm_score) field, fetched from the aux devices after the rollout phase, not from
+  # the aux stage's buffers as in the synchronous loop; the advantages are the queue's too.
+  over = {"fusion.mode": mode.split("_")[0], "algo.kl_coef": 0.05, "run.steps": 2, "rollout.max_new_tokens": 6,
+          "model.max_position_embeddings": 32, "optim.pack_rows": mode.endswith("packed")}
+  if mode.startswith("hybrid"):
+    over["fusion.aux_devices"] = 4     # the actor on 4 devices, the reference on the other 4
+  if mode.endswith("rm"):
+    save_tiny_reward_model(str(tmp_path / "rm"))
+    over |= {"task.reward_model": str(tmp_path / "rm"), "task.reward_model_weight": 0.5}
   sync, s0 = str(tmp_path / "sync"), str(tmp_path / "s0")
   summary_sync = loop.run(tiny(**over), sync)
   summary_s0 = loop.run(tiny(**{**over, "stalesync.enabled": True}), s0)
   assert_equal_rows(rows(sync), rows(s0))
   assert summary_sync["accuracy_after"] == summary_s0["accuracy_after"]
   assert all(r["stalesync/staleness_max"] == 0 for r in rows(s0))
+  # Advantages from the queue's advantage field (separated: written by the trainer's advantage stage).
+  if mode != "separated":
+    assert all(r["stalesync/advantage_groups"] == 4 for r in rows(s0))
+  if mode.startswith("hybrid"):
+    assert rows(s0)[-1]["kl_seq"] > 0          # the reference differs from the policy: the check can fail
+    assert all(r["queue/link_bytes/aux_to_host"] > 0 for r in rows(s0))
+  if mode.endswith("rm"):
+    assert all(r["reward_model_score"] != 0 for r in rows(s0))
+    assert rows(s0)[0]["reward_model_score"] == rows(sync)[0]["reward_model_score"]
 
 
 @pytest.fixture(scope="module")

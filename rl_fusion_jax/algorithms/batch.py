@@ -26,19 +26,36 @@ def sequence_kl(logp_bt: Float[Array, "b t"], ref_logp_bt: Float[Array, "b t"], 
 
 def train_batch(rollout: Rollout, rewards_b: Float[Array, "b"], ref_logp_bt: Float[Array, "b t"], *,
                 advantage: str, group_size: int, kl_coef: float, kl_estimator: str, kl_mode: str,
-                advantage_hparams=None) -> tuple[TrainBatch, dict[str, Array]]:
-  """(TrainBatch, stats): advantages from the (KL-shaped, when kl_mode == 'reward') rewards."""
+                advantage_hparams=None, advantages_b: Float[Array, "b"] | None = None
+                ) -> tuple[TrainBatch, dict[str, Array]]:
+  """(TrainBatch, stats): advantages from the (KL-shaped, when kl_mode == 'reward') rewards, or
+  ``advantages_b`` as given (computed before, e.g. by the host's advantage stage; not with KL in the
+  reward, which needs this batch's reference log-probs)."""
   mask_bt, stats = rollout.response_mask(), {}
+  kl_b = None
   if kl_coef > 0:
     kl_b = sequence_kl(rollout.logp_bt, ref_logp_bt, mask_bt, kl_estimator)
     stats["kl_seq"] = jnp.mean(kl_b)
-    if kl_mode == "reward":
-      rewards_b = rewards_b - kl_coef * kl_b
-  adv_b = registry.get_advantage_fn(advantage)(rewards_b, group_size, **(advantage_hparams or {}))
+  adv_b = _sample_advantages(rewards_b, kl_b, advantages_b, advantage=advantage, group_size=group_size,
+                             kl_coef=kl_coef, kl_mode=kl_mode, advantage_hparams=advantage_hparams)
   stats["advantage_abs_mean"] = jnp.mean(jnp.abs(adv_b))
   batch = TrainBatch(tokens_bt=rollout.tokens_bt, mask_bt=mask_bt, advantages_bt=adv_b[:, None] * mask_bt,
                      behaviour_logp_bt=rollout.logp_bt, ref_logp_bt=ref_logp_bt, version_bt=rollout.version_bt)
   return batch, stats
+
+
+def _sample_advantages(rewards_b, kl_b, advantages_b, *, advantage: str, group_size: int, kl_coef: float,
+                       kl_mode: str, advantage_hparams):
+  """The per-sample advantages: ``advantages_b`` when given, else the estimator on the rewards (minus
+  ``kl_coef * kl_b`` with ``kl_mode == 'reward'``)."""
+  if advantages_b is not None:
+    if kl_b is not None and kl_mode == "reward":
+      raise ValueError("advantages given beside kl_mode='reward': the KL-shaped reward needs the batch's "
+                       "reference log-probs, so the advantages are computed here")
+    return advantages_b.astype(jnp.float32)
+  if kl_b is not None and kl_mode == "reward":
+    rewards_b = rewards_b - kl_coef * kl_b
+  return registry.get_advantage_fn(advantage)(rewards_b, group_size, **(advantage_hparams or {}))
 
 
 def masked_whiten(x_bt: Float[Array, "b t"], mask_bt: Float[Array, "b t"], eps: float = 1e-8) -> Float[Array, "b t"]:
@@ -92,22 +109,23 @@ def _packed_kl(sample_rw, mask_rw, behaviour_logp_rw, ref_logp_rw, num_samples: 
 def packed_train_batch(sample_rw: Int[Array, "r w"], mask_rw: Float[Array, "r w"],
                        behaviour_logp_rw: Float[Array, "r w"], ref_logp_rw: Float[Array, "r w"],
                        rewards_b: Float[Array, "b"], *, advantage: str, group_size: int, kl_coef: float,
-                       kl_estimator: str, kl_mode: str, advantage_hparams=None
+                       kl_estimator: str, kl_mode: str, advantage_hparams=None,
+                       advantages_b: Float[Array, "b"] | None = None
                        ) -> tuple[Float[Array, "r w"], dict[str, Array]]:
   """``train_batch``'s advantage stage on packed rows -> (advantages_rw, stats).
 
   ``sample_rw``: the index of the sample each position belongs to (-1: padding). The sequence KL of
   sample b sums its response tokens (a segment sum over sample_rw), the advantages come from the
-  per-sample rewards as in ``train_batch`` and are broadcast over each sample's response tokens.
+  per-sample rewards as in ``train_batch`` (or are ``advantages_b`` as given) and are broadcast over each
+  sample's response tokens.
   """
   num_samples = rewards_b.shape[0]
-  stats = {}
+  stats, kl_b = {}, None
   if kl_coef > 0:
     _, kl_b = _packed_kl(sample_rw, mask_rw, behaviour_logp_rw, ref_logp_rw, num_samples, kl_estimator)
     stats["kl_seq"] = jnp.mean(kl_b)
-    if kl_mode == "reward":
-      rewards_b = rewards_b - kl_coef * kl_b
-  adv_b = registry.get_advantage_fn(advantage)(rewards_b, group_size, **(advantage_hparams or {}))
+  adv_b = _sample_advantages(rewards_b, kl_b, advantages_b, advantage=advantage, group_size=group_size,
+                             kl_coef=kl_coef, kl_mode=kl_mode, advantage_hparams=advantage_hparams)
   stats["advantage_abs_mean"] = jnp.mean(jnp.abs(adv_b))
   return adv_b[jnp.maximum(sample_rw, 0)] * mask_rw, stats
 

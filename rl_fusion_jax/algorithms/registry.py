@@ -68,6 +68,9 @@ POLICY_LOSSES: dict[str, Callable] = {}
 POLICY_LOSS_PARAMS: dict[str, type] = {}
 ADVANTAGE_PARAMS: dict[str, type] = {}
 ROW_LEVEL_POLICY_LOSSES: set[str] = set()
+# Advantage estimators whose value for a sample depends on its own group's rewards only: the host's
+# advantage stage computes them one group at a time, as soon as a group's rewards are in.
+PER_GROUP_ADVANTAGES: set[str] = set()
 KL_ESTIMATORS: dict[str, Callable] = {
     kind: functools.partial(losses.kl_estimate, kind=kind) for kind in losses.KL_KINDS
 }
@@ -133,10 +136,21 @@ def check_aggregation(name: str) -> str:
   return name
 
 
-def register_advantage(name: str, params: type | None = None) -> Callable[[F], F]:
+def register_advantage(name: str, params: type | None = None, *, per_group: bool = False) -> Callable[[F], F]:
   """Decorator registering `fn(rewards_b, group_size, **hparams) -> adv_b` under `name`; `params`: the
-  dataclass of its hyperparameters (none if None)."""
-  return _register(ADVANTAGE_ESTIMATORS, "advantage estimator", name, params, ADVANTAGE_PARAMS)
+  dataclass of its hyperparameters (none if None). `per_group=True` declares that a sample's advantage
+  depends on its own group's rewards only (GRPO, RLOO); such an estimator is computed one group at a time
+  by the host's advantage stage (`orchestration/advantage_stage.py`). Without it the estimator sees the
+  whole batch, inside the update's program."""
+  decorate = _register(ADVANTAGE_ESTIMATORS, "advantage estimator", name, params, ADVANTAGE_PARAMS)
+
+  def decorator(fn: F) -> F:
+    fn = decorate(fn)
+    if per_group:
+      PER_GROUP_ADVANTAGES.add(name)
+    return fn
+
+  return decorator
 
 
 def register_token_advantage(name: str, params: type | None = None) -> Callable[[F], F]:
@@ -253,9 +267,9 @@ def load_plugins(spec: str, where: str = "algo.plugins") -> None:
 
 
 # The shipped estimators and losses, registered as a fork's would be.
-register_advantage("grpo")(functools.partial(advantages.group_advantages, scale="std"))
-register_advantage("dr_grpo")(functools.partial(advantages.group_advantages, scale="none"))
-register_advantage("rloo")(advantages.rloo_advantages)
+register_advantage("grpo", per_group=True)(functools.partial(advantages.group_advantages, scale="std"))
+register_advantage("dr_grpo", per_group=True)(functools.partial(advantages.group_advantages, scale="none"))
+register_advantage("rloo", per_group=True)(advantages.rloo_advantages)
 register_token_advantage("gae", params=advantages.GAEParams)(advantages.gae)
 register_policy_loss("ppo_clip", params=losses.ClipParams)(losses.clipped_surrogate)
 register_policy_loss("decoupled_ppo", params=offpolicy.OffPolicyParams)(offpolicy.decoupled_ppo_surrogate)

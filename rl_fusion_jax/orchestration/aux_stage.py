@@ -42,6 +42,9 @@ from rl_fusion_jax.train import packed_step, packing
 from rl_fusion_jax.types import Rollout
 
 BLOCK_EVERY = 4
+# Values a call of the reference log-probs' fetch (``AuxStage.fetch_reference``) returns: one program
+# shape, each fetch at most one block longer than the log-probs it holds.
+FETCH_BLOCK = 1024
 
 
 def _scatter(buffer_ct, logp_rw, row_k, start_k, length_k, dest_k):
@@ -57,6 +60,17 @@ def _scatter(buffer_ct, logp_rw, row_k, start_k, length_k, dest_k):
 
 def _scatter_scores(scores_c, score_k, dest_k):
   return scores_c.at[dest_k].set(score_k, mode="drop")
+
+
+def _take_flat(buffer_ct, slot_k, column_k, offset_k, length_k, start):
+  """``FETCH_BLOCK`` values, from position ``start``, of the samples' response log-probs laid end to end:
+  value j is ``buffer_ct[slot_k, column_k + j - offset_k]`` for the sample k with ``offset_k <= j <
+  offset_k + length_k`` (offsets ascending; entries of length 0 after the samples), 0 past the last."""
+  j = start + jnp.arange(FETCH_BLOCK, dtype=jnp.int32)
+  k = jnp.clip(jnp.searchsorted(offset_k, j, side="right") - 1, 0, offset_k.shape[0] - 1)
+  inside = (j >= offset_k[k]) & (j < offset_k[k] + length_k[k])
+  col = jnp.clip(column_k[k] + j - offset_k[k], 0, buffer_ct.shape[1] - 1)
+  return jnp.where(inside, buffer_ct[slot_k[k], col], 0.0)
 
 
 def _gather_packed(buffer_ct, slot_b, row_b, start_b, length_b, *, num_rows: int, width: int):
@@ -91,6 +105,7 @@ class AuxStage:
     rep = self._rep = mesh_lib.replicated(self.mesh)
     self._scatter = shared_programs.jit(_scatter, out_shardings=rep, donate_argnums=(0,))
     self._scatter_scores = shared_programs.jit(_scatter_scores, out_shardings=rep, donate_argnums=(0,))
+    self._take_flat = shared_programs.jit(_take_flat, out_shardings=rep)
     self.buffer = distributed.put(np.zeros((capacity, self.seq_len), np.float32), rep) if reference else None
     self.scores = distributed.put(np.zeros((capacity,), np.float32), rep) if reward else None
     self.slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()   # sample id -> row, oldest first
@@ -173,11 +188,16 @@ class AuxStage:
 
   # -- consumer side ----------------------------------------------------------------------------------
 
-  def take(self, rollout: Rollout, layout: packing.Layout | None, width: int):
+  def take(self, rollout: Rollout, layout: packing.Layout | None, width: int, *, reference: bool = True,
+           reward: bool = True):
     """(reference log-probs, reward-model scores, metrics) of ``rollout``'s samples (host, in batch order)
-    on the aux mesh, each None where the stage does not compute it. The log-probs as packed rows laid out as
+    on the aux mesh, each None where the stage does not compute it (or where ``reference`` / ``reward``
+    is False: the caller has them already, read from the queue). The log-probs as packed rows laid out as
     ``layout`` ([R, W], batch-sharded), or with ``layout`` None padded rows [B, width]; the scores [B],
     replicated. Samples not scored yet are scored first; every sample's buffer row is released after."""
+    reference, reward = reference and self.reference, reward and self.reward
+    if not (reference or reward):
+      return None, None, {}
     ids = [int(s) for s in np.asarray(rollout.sample_id_b)]
     missing = np.asarray([i for i, s in enumerate(ids) if s not in self.slot_of])
     found = len(ids) - len(missing)
@@ -187,16 +207,56 @@ class AuxStage:
       self._score(rollout, missing, keep=frozenset(ids))
     slot_b = distributed.put(np.asarray([self.slot_of[s] for s in ids], np.int32), self._rep)
     ref = scores = None
-    if self.reference and layout is None:
+    if reference and layout is None:
       ref = _padded_fn(self.mesh, width)(self.buffer, slot_b)
-    elif self.reference:
+    elif reference:
       per_sample = distributed.put(tuple(np.asarray(x, np.int32) for x in (layout.row_b, layout.start_b,
                                                                          layout.length_b)), self._rep)
       ref = _packed_fn(self.mesh, layout.num_rows, layout.width)(self.buffer, slot_b, *per_sample)
-    if self.reward:
+    if reward:
       scores = _take_fn(self.mesh)(self.scores, slot_b)
     self.forget(ids)
     return ref, scores, {"aux_stage/early_frac": found / max(1, len(ids))}
+
+  def fetch(self, rollout: Rollout) -> tuple[list[np.ndarray] | None, np.ndarray | None, dict[str, float]]:
+    """What the stage computed for ``rollout``'s samples, on the host, for the queue's fields: (the
+    reference's log-probs, ``ref_logp``: one float32 array per sample, as long as its prompt + response, the
+    response positions the reference's log-probs and the prompt positions 0, as a ``Rollout``'s; the reward
+    model's scores, ``rm_score``: float32 [B]; each None where the stage does not compute it) and the
+    bytes fetched (``link_bytes/aux_to_host``). Samples not scored yet are scored first. Of the log-probs
+    only the responses' cross, laid end to end in blocks of ``FETCH_BLOCK`` (one program shape). The
+    samples' buffer rows are released after: the queue holds their values now."""
+    ids = [int(s) for s in np.asarray(rollout.sample_id_b)]
+    if len(ids) > self.capacity:
+      raise ValueError(f"aux stage: {len(ids)} samples to fetch; the buffer holds {self.capacity}")
+    missing = np.asarray([i for i, s in enumerate(ids) if s not in self.slot_of])
+    if len(missing):
+      self._score(rollout, missing, keep=frozenset(ids))
+    slots = np.asarray([self.slot_of[s] for s in ids], np.int32)
+    rows = scores = None
+    fetched = 0
+    if self.reference:
+      prompt = np.asarray(rollout.prompt_len_b, np.int32)
+      length = np.asarray(rollout.response_len_b, np.int32)
+      offset = np.cumsum(length, dtype=np.int32) - length
+      total = int(length.sum())
+      table = np.zeros((4, self.capacity), np.int32)
+      table[2, len(ids):] = total                      # unused entries: length 0, after every sample
+      table[:, :len(ids)] = [slots, prompt, offset, length]
+      slot, column, offsets, lengths = distributed.put(tuple(table), self._rep)
+      blocks = distributed.fetch([self._take_flat(self.buffer, slot, column, offsets, lengths, np.int32(start))
+                                  for start in range(0, total, FETCH_BLOCK)])
+      fetched += sum(np.asarray(b).nbytes for b in blocks)
+      flat = np.concatenate([np.zeros((0,), np.float32)] + [np.asarray(b) for b in blocks])[:total]
+      rows = [np.concatenate([np.zeros((p,), np.float32), flat[o:o + n]]) for p, o, n in zip(prompt, offset, length)]
+    if self.reward:
+      padded = np.full((self.capacity,), self.capacity, np.int32)     # one program shape; extra entries dropped
+      padded[:len(ids)] = slots
+      all_scores = np.asarray(distributed.fetch(_take_fn(self.mesh)(self.scores, distributed.put(padded, self._rep))))
+      fetched += all_scores.nbytes
+      scores = all_scores[:len(ids)].astype(np.float32)
+    self.forget(ids)
+    return rows, scores, {"link_bytes/aux_to_host": float(fetched)}
 
   def close(self) -> None:
     self._waiter.shutdown(wait=True)

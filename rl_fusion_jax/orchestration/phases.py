@@ -24,7 +24,7 @@ from rl_fusion_jax import distributed
 from rl_fusion_jax import models
 from rl_fusion_jax import shared_programs
 from rl_fusion_jax.algorithms import dapo
-from rl_fusion_jax.orchestration import data, processes
+from rl_fusion_jax.orchestration import advantage_stage, data, processes
 from rl_fusion_jax.orchestration.programs import Programs
 from rl_fusion_jax.orchestration.setup import Setup
 from rl_fusion_jax.rewards.base import pass_at_k, score_batch
@@ -331,15 +331,17 @@ def _place_packed(setup: Setup, programs: Programs, rollout: Rollout):
 
 
 def _packed_rows_update(setup: Setup, programs: Programs, state, step: int, rows, row_fields, ref_logp_rw,
-                        rewards, values_rw=None):
+                        rewards, values_rw=None, advantages=None):
   """The advantage stage and the update(s) on packed rows -> (state, train metrics, batch stats, the
-  critic's returns: None without ``values_rw``, its values of the rows)."""
+  critic's returns: None without ``values_rw``, its values of the rows). ``advantages``: the host's
+  per-sample advantages (``advantage_stage``), broadcast over the rows; None: computed from the rewards."""
   positions_rw, segment_ids_rw, sample_rw, mask_rw, layout = row_fields
   rewards_b = distributed.put(np.asarray(rewards, np.float32), rows.row_b.sharding)
   returns_rw = None
   if values_rw is None:
+    given = () if advantages is None else (distributed.put(np.asarray(advantages, np.float32), rows.row_b.sharding),)
     advantages_rw, batch_stats = programs.packed_advantages(sample_rw, mask_rw, rows.behaviour_logp_rw,
-                                                            ref_logp_rw, rewards_b)
+                                                            ref_logp_rw, rewards_b, *given)
   else:
     advantages_rw, batch_stats, returns_rw = programs.packed_gae(sample_rw, mask_rw, rows.behaviour_logp_rw,
                                                                  ref_logp_rw, rewards_b, values_rw)
@@ -427,14 +429,8 @@ def cut_width(rollout: Rollout, width: int) -> Rollout:
 
 def shape_rewards(cfg, rollout: Rollout, rewards):
   """The verifier's rewards with DAPO's overlong penalty added (``algo.overlong_buffer`` > 0) -> (rewards,
-  metrics); as they are otherwise."""
-  a = cfg.algo
-  if not a.overlong_buffer:
-    return rewards, {}
-  penalty = np.asarray(dapo.overlong_penalty(np.asarray(rollout.response_len_b), max_len=cfg.rollout.max_new_tokens,
-                                             buffer=a.overlong_buffer, factor=float(a.overlong_factor)))
-  return (rewards + penalty).astype(np.float32), {"overlong/penalty_mean": float(penalty.mean()),
-                                                  "overlong/penalized_frac": float((penalty < 0).mean())}
+  metrics); as they are otherwise (``advantage_stage.shaped_rewards``)."""
+  return advantage_stage.shaped_rewards(cfg, rollout.response_len_b, rewards)
 
 
 def score(setup: Setup, programs: Programs, rollout: Rollout, problems):
@@ -445,8 +441,15 @@ def score(setup: Setup, programs: Programs, rollout: Rollout, problems):
   return rewards, fmt, correct, m | shaped
 
 
+def _local_shard_frac(mesh) -> float:
+  """The share of ``mesh``'s batch shards that this process's devices hold."""
+  local = {d.id for d in jax.local_devices()}
+  return float(np.mean([d.id in local for d in mesh.devices.flat]))
+
+
 def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int, timeline: Timeline,
-                problems, rollout: Rollout, device_rollout: Rollout | None = None, scored=None):
+                problems, rollout: Rollout, device_rollout: Rollout | None = None, scored=None, advantages=None,
+                ref_logp=None, rm_scores=None):
   """Reward -> reference -> advantages -> update -> publish on a host batch sorted by sample id.
 
   The reference and reward-model forward passes are dispatched first, on the aux mesh, and run while
@@ -456,6 +459,13 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
   Both are cut to ``batch_width`` first (if wider), so the reference, the reward model, the batch assembly
   and the update all run on that width; every loss value is the full-width one. ``scored``: the result of
   ``score`` when the caller already scored the rollout (dynamic sampling).
+
+  Where ``advantage_stage.on_host`` holds, the advantages are the host's (``advantages``: read from the
+  StaleSync queue, where its advantage stage wrote them; else computed here from the final rewards) and
+  the update's program takes them as given. ``ref_logp``: the reference's log-probs read from the
+  StaleSync queue (hybrid: its ``ref_logp`` field), as the device batch's rows [B, width] on the training
+  mesh, or host rows [B, width] that the packed update places as its packed rows; None: computed here.
+  ``rm_scores``: the reward model's scores read from the queue (hybrid: ``rm_score``; host [B]).
 
   With a critic (``programs.critic``, PPO + GAE): its values of the batch are dispatched with the
   reference, the batch assembly computes GAE advantages and returns from them, and after the policy
@@ -489,9 +499,11 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
   if programs.reward_model is not None and not (stage is not None and stage.reward):
     rm_call = _AuxCall("reward_model", programs, timeline, step, *rm_args())
   stage_ref = stage_rm = None
+  queued_ref, ref_logp = ref_logp, None
   if stage is not None:    # scored on the aux devices as the samples finished (the rest now)
     with timeline.phase("aux_gather", group=d.aux_group, step=step):
-      stage_ref, stage_rm, m = stage.take(rollout, row_fields[-1] if rows is not None else None, width)
+      stage_ref, stage_rm, m = stage.take(rollout, row_fields[-1] if rows is not None else None, width,
+                                          reference=queued_ref is None, reward=rm_scores is None)
     metrics |= m
   critic = programs.critic
   if critic is None:
@@ -503,14 +515,27 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
   with timeline.phase("reward", group=d.train_group, step=step):
     rewards, fmt, correct, m = scored if scored is not None else score(setup, programs, rollout, problems)
     metrics |= m | {"accuracy": float(correct.mean()), "format_rate": float(fmt.mean())}
-    if rm_call is not None or stage_rm is not None:
-      rm_b = np.asarray(rm_call.result() if rm_call is not None else distributed.fetch(stage_rm))
-      rewards = (rewards + cfg.task.reward_model_weight * rm_b).astype(np.float32)
+    if rm_call is not None or stage_rm is not None or rm_scores is not None:
+      rm_b = (np.asarray(rm_scores) if rm_scores is not None else
+              np.asarray(rm_call.result() if rm_call is not None else distributed.fetch(stage_rm)))
+      rewards = advantage_stage.with_reward_model(cfg, rewards, rm_b)
       metrics |= (rm_call.metrics if rm_call is not None else {}) | {"reward_model_score": float(rm_b.mean())}
     metrics["reward"] = float(rewards.mean())
+    if programs.host_advantages and advantages is None:
+      advantages = advantage_stage.advantages(cfg.algo, cfg.rollout.group_size, rewards)
   reward_s = time.perf_counter() - t0
   t0 = time.perf_counter()
-  if ref_call is not None or stage_ref is not None:
+  if queued_ref is not None and rows is not None:    # host rows from the queue -> the packed rows
+    packed_ref = row_fields[-1].pack(np.asarray(queued_ref, np.float32))
+    ref_logp = distributed.put(packed_ref, rows.behaviour_logp_rw.sharding)
+    shards = mesh_lib.batch_shards(programs.mesh)
+    for key, nbytes in (("host_to_device", packed_ref.nbytes), ("host_to_device_padded", 4 * queued_ref.size),
+                        ("host_to_device_per_device", packed_ref.nbytes // shards),
+                        ("host_to_device_this_host", packed_ref.nbytes * _local_shard_frac(programs.mesh))):
+      metrics[f"queue/link_bytes/{key}"] += float(nbytes)
+  elif queued_ref is not None:    # read from the queue into the device batch's rows
+    ref_logp = queued_ref
+  elif ref_call is not None or stage_ref is not None:
     if stage_ref is not None:
       ref_logp = stage_ref
     else:
@@ -526,14 +551,16 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
     t0 = time.perf_counter()
     if rows is not None:
       state, train_metrics, batch_stats, returns = _packed_rows_update(setup, programs, state, step, rows,
-                                                                       row_fields, ref_logp, rewards, values)
+                                                                       row_fields, ref_logp, rewards, values,
+                                                                       advantages)
       for key in ("host_to_device", "host_to_device_padded", "host_to_device_per_device",
                   "host_to_device_this_host"):   # the rewards, [B]
         metrics[f"queue/link_bytes/{key}"] += np.asarray(rewards, np.float32).nbytes
     else:
       rewards_dev = data.to_global(programs.mesh, rewards)
       if critic is None:
-        batch, batch_stats = programs.assemble(device_rollout, rewards_dev, ref_logp)
+        given = () if advantages is None else (data.to_global(programs.mesh, np.asarray(advantages, np.float32)),)
+        batch, batch_stats = programs.assemble(device_rollout, rewards_dev, ref_logp, *given)
       else:
         batch, batch_stats, returns = programs.assemble(device_rollout, rewards_dev, ref_logp, values)
       if programs.several_updates:

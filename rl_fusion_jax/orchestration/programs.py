@@ -25,7 +25,7 @@ from rl_fusion_jax.algorithms import batch as algo_batch
 from rl_fusion_jax.config import AlgoConfig, ExperimentConfig
 from rl_fusion_jax.fusion.deployment import make_deployment
 from rl_fusion_jax.models import reward_model
-from rl_fusion_jax.orchestration import aux_stage, critic_stage
+from rl_fusion_jax.orchestration import advantage_stage, aux_stage, critic_stage
 from rl_fusion_jax.orchestration.host_stages import VerifyStage
 from rl_fusion_jax.orchestration.setup import Setup
 from rl_fusion_jax.rollout.engine import Engine, EngineConfig
@@ -38,12 +38,13 @@ from rl_fusion_jax.train import step as step_lib
 from rl_fusion_jax.types import Rollout
 
 
-def assemble_batch(a: AlgoConfig, group_size: int, rollout: Rollout, rewards_b, ref_logp_bt):
-  """Rollout + rewards (+ reference log-probs) -> TrainBatch (the advantage stage, algorithms/batch.py)."""
+def assemble_batch(a: AlgoConfig, group_size: int, rollout: Rollout, rewards_b, ref_logp_bt, advantages_b=None):
+  """Rollout + rewards (+ reference log-probs; + the host's advantages) -> TrainBatch (the advantage stage,
+  algorithms/batch.py)."""
   return algo_batch.train_batch(rollout, rewards_b, ref_logp_bt, advantage=a.advantage,
                                 group_size=group_size, kl_coef=a.kl_coef,
                                 kl_estimator=a.kl_estimator, kl_mode=a.kl_mode,
-                                advantage_hparams=a.advantage_hparams)
+                                advantage_hparams=a.advantage_hparams, advantages_b=advantages_b)
 
 
 def assemble_gae_batch(a: AlgoConfig, rollout: Rollout, rewards_b, ref_logp_bt, values_bt):
@@ -61,12 +62,12 @@ def packed_gae_batch(a: AlgoConfig, sample_rw, mask_rw, behaviour_logp_rw, ref_l
 
 
 def packed_advantages(a: AlgoConfig, group_size: int, sample_rw, mask_rw, behaviour_logp_rw, ref_logp_rw,
-                      rewards_b):
+                      rewards_b, advantages_b=None):
   """The advantage stage on packed rows (``algorithms/batch.py``'s ``packed_train_batch``)."""
   return algo_batch.packed_train_batch(sample_rw, mask_rw, behaviour_logp_rw, ref_logp_rw, rewards_b,
                                        advantage=a.advantage, group_size=group_size,
                                        kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_mode=a.kl_mode,
-                                       advantage_hparams=a.advantage_hparams)
+                                       advantage_hparams=a.advantage_hparams, advantages_b=advantages_b)
 
 
 @dataclasses.dataclass
@@ -162,6 +163,9 @@ class Programs:
     # aux mesh in hybrid: the rows are copied there device to device), a critic's values and GAE too; no
     # padded batch is assembled.
     self.packed_inputs = self.packed_step is not None
+    # Per-sample advantages computed on the host, a group at a time (``advantage_stage``); the update's
+    # programs take them as given.
+    self.host_advantages = advantage_stage.on_host(cfg.algo)
     # In hybrid the reference (and a reward model) score finished samples on their own devices while the
     # actor's generate.
     hybrid = d.mode == "hybrid"

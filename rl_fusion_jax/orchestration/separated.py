@@ -67,7 +67,7 @@ from rl_fusion_jax import models
 from rl_fusion_jax.config import ExperimentConfig
 from rl_fusion_jax.errors import ConfigError
 from rl_fusion_jax.fusion.deployment import make_deployment
-from rl_fusion_jax.orchestration import phases, resume, stalesync, workdir_lock
+from rl_fusion_jax.orchestration import advantage_stage, phases, resume, stalesync, workdir_lock
 from rl_fusion_jax.orchestration.guard import DivergenceGuard
 from rl_fusion_jax.orchestration.programs import Placement, Programs, make_placement
 from rl_fusion_jax.orchestration.setup import Setup, validate, write_json_atomic
@@ -470,9 +470,11 @@ class ShippedScores:
     pass
 
 
-def make_queue(setup: Setup) -> DistQueue:
-  """The trainer's queue: StaleSync's fields plus the shipped scores, room for one batch."""
-  return stalesync.make_queue(setup, SCORE_FIELDS, capacity=setup.cfg.rollout.batch_size)
+def make_queue(setup: Setup, programs: Programs) -> DistQueue:
+  """The trainer's queue: StaleSync's fields plus the shipped scores (and the advantages, written by the
+  advantage stage as a chunk arrives, where ``advantage_stage.in_queue`` holds), room for one batch."""
+  sample_fields, _ = stalesync.queue_fields(setup.cfg, programs)   # no aux stage in this deployment
+  return stalesync.make_queue(setup, sample_fields, capacity=setup.cfg.rollout.batch_size)
 
 
 class TrainSide:
@@ -485,7 +487,9 @@ class TrainSide:
     self.cfg, self.r = setup.cfg, setup.cfg.rollout
     self.s, self.steps = setup.cfg.stalesync.max_staleness, setup.cfg.run.steps
     self.group = programs.deployment.train_group
-    self.queue = make_queue(setup)
+    self.queue = make_queue(setup, programs)
+    self.advantages = (advantage_stage.AdvantageStage(setup.cfg, self.queue) if "advantage" in self.queue.fields
+                       else None)
     self.shipped = programs.verify = ShippedScores()
     plan = weight_plan(self.steps, self.s)
     self.points = {trainer_point(k, self.steps, self.s): (k, v) for k, v in plan}
@@ -541,12 +545,16 @@ class TrainSide:
                      sample_id=a["sample_id"], group_id=a["sample_id"] // self.r.group_size,
                      min_version=_min_versions(a), reward=a["reward"], format_ok=a["format_ok"],
                      correct=a["correct"], block=False)
+    if self.advantages is not None:
+      with self.timeline.phase("advantage", group=self.group, step=step):
+        self.advantages.run()
     return meta, {"wait_rollout_s": wait, "rollout_bytes": meta["packed_bytes"],
                   "rollout_bytes_padded": meta["padded_bytes"], "rollout_blob_bytes": len(blob),
                   "generated_with_version": meta["version"]}
 
   def _admit(self, learner: int):
-    """Drops groups beyond the bound (counted), admits ``num_prompts`` -> (groups, host Rollout, metrics)."""
+    """Drops groups beyond the bound (counted), admits ``num_prompts`` -> (groups, host Rollout, metrics,
+    their advantages from the queue: None without that field)."""
     ready = self.queue.ready(stalesync.CONSUMER)
     peek = self.queue.peek(ready, ("group_id", "min_version", "response_len"))
     waiting = waiting_groups(ready, peek["group_id"], peek["min_version"], peek["response_len"])
@@ -563,7 +571,7 @@ class TrainSide:
     rollout = stalesync.host_rollout([batch], self.r.seq_len)
     self.shipped.add(batch["sample_id"], batch["reward"], batch["format_ok"], batch["correct"])
     metrics = {f"stalesync/{k}": v for k, v in adm.metrics().items()} | {"stalesync/discarded_now": len(stale)}
-    return groups, rollout, metrics
+    return groups, rollout, metrics, batch.sample.get("advantage")
 
   # -- the loop -----------------------------------------------------------------------------------------
 
@@ -583,10 +591,10 @@ class TrainSide:
     metrics = self._before_chunk(step, state.params)
     meta, m = self._receive(step)
     metrics |= m
-    groups, rollout, adm_metrics = self._admit(step)
+    groups, rollout, adm_metrics, advantages = self._admit(step)
     problems = [self.setup.train_task.problem(g) for g in groups]
     state, train_metrics = phases.train_phase(self.setup, self.programs, state, ref_resting, step,
-                                              self.timeline, problems, rollout)
+                                              self.timeline, problems, rollout, advantages=advantages)
     self.groups["trained"] += groups
     self._produced(step + 1, state.params)
     metrics |= self.publisher.finished() if self.publisher else {}

@@ -10,7 +10,10 @@ One step of ``StaleSync.step``:
      the next phase under the new weights (the engine's partial rollout);
   3. the finished groups enter the DistQueue, packed (no padding stored), and the reward stage writes
      their scores into it (``SCORE_FIELDS``: the verify stage scored most of them while they were
-     generated); the trainer, the queue's consumer, needs both, so a sample is ready for it once scored;
+     generated); then the advantage stage (``advantage_stage.AdvantageStage``, a consumer of the scores)
+     writes each scored group's advantages (``ADVANTAGE_FIELDS``, where ``advantage_stage.in_queue``
+     holds). The trainer, the queue's last consumer, needs all of them, so a sample is ready for it once
+     its group's advantages are written;
   4. admission (``queue.staleness.admit``): the oldest ``num_prompts`` groups within the bound, read from
      the queue and restored to fixed-width rows; the rest wait for the next update;
   5. the common train phase (reward shaping, reference, advantages, update, publish) on the rows and
@@ -27,7 +30,7 @@ import time
 
 import numpy as np
 
-from rl_fusion_jax.orchestration import phases, processes
+from rl_fusion_jax.orchestration import advantage_stage, phases, processes
 from rl_fusion_jax.orchestration.programs import Programs
 from rl_fusion_jax.orchestration.setup import Setup
 from rl_fusion_jax.queue.staleness import WaitingGroup, admit_groups, at_risk_groups, stale_groups, waiting_groups
@@ -42,19 +45,43 @@ SAMPLE_FIELDS = (("prompt_len", np.int32), ("response_len", np.int32), ("finishe
 # Written by the reward stage once the verifier scored a sample (here after each rollout phase; in the
 # separated deployment by the rollout side before it ships the batch).
 SCORE_FIELDS = (("reward", np.float32), ("format_ok", np.bool_), ("correct", np.bool_))
+# Written in ``hybrid`` from the aux stage, which scored the samples on the aux devices while they were
+# generated: the reference's log-probs (a token field) and the reward model's score, fetched into the
+# queue after the rollout phase.
+REFERENCE_FIELDS = (("ref_logp", np.float32),)
+REWARD_MODEL_FIELDS = (("rm_score", np.float32),)
 CONSUMER = "train"
-PADS = {"tokens": 0, "logp": 0.0, "version": -1}   # what a fixed-width row holds past its length
+PADS = {"tokens": 0, "logp": 0.0, "version": -1, "ref_logp": 0.0}   # what a fixed-width row holds past its length
 
 
-def make_queue(setup: Setup, extra_sample_fields=(), capacity: int | None = None) -> DistQueue:
+def make_queue(setup: Setup, extra_sample_fields=(), capacity: int | None = None,
+               extra_token_fields=()) -> DistQueue:
   """The run's queue: one row per sample, room for every outstanding group (or ``capacity`` samples);
-  ``extra_sample_fields``: (name, dtype) pairs beside SAMPLE_FIELDS, also needed by the consumer."""
+  ``extra_sample_fields`` / ``extra_token_fields``: (name, dtype) pairs beside SAMPLE_FIELDS /
+  TOKEN_FIELDS, also needed by the trainer. With an ``advantage`` field the advantage stage is registered
+  as a consumer too."""
   r, s = setup.cfg.rollout, setup.cfg.stalesync
-  fields = ([FieldSpec(n, d, True) for n, d in TOKEN_FIELDS]
+  fields = ([FieldSpec(n, d, True) for n, d in TOKEN_FIELDS + tuple(extra_token_fields)]
             + [FieldSpec(n, d, False) for n, d in SAMPLE_FIELDS + tuple(extra_sample_fields)])
   queue = DistQueue(fields, capacity=capacity or s.pool_groups(r.num_prompts) * r.group_size)
+  if "advantage" in queue.fields:
+    queue.register_consumer(advantage_stage.CONSUMER, needs=advantage_stage.NEEDS + (
+        ("rm_score",) if "rm_score" in queue.fields else ()))
   queue.register_consumer(CONSUMER, needs=tuple(f.name for f in fields))
   return queue
+
+
+def queue_fields(cfg, programs: Programs) -> tuple[tuple, tuple]:
+  """The fields the stages write beside SAMPLE_FIELDS and TOKEN_FIELDS -> (sample fields, token fields):
+  the scores; in ``hybrid`` the aux stage's reference log-probs and reward-model scores; the advantages
+  where ``advantage_stage.in_queue`` holds."""
+  stage = programs.aux_stage
+  reference = stage is not None and stage.reference
+  rm_in_queue = stage is not None and stage.reward
+  adv = advantage_stage.in_queue(cfg, programs.reward_model is not None, rm_in_queue)
+  sample = (SCORE_FIELDS + (REWARD_MODEL_FIELDS if rm_in_queue else ())
+            + (advantage_stage.ADVANTAGE_FIELDS if adv else ()))
+  return sample, REFERENCE_FIELDS if reference else ()
 
 
 def host_rollout(batches: list[Batch], width: int) -> Rollout:
@@ -74,9 +101,20 @@ class StaleSync:
     self.setup, self.programs = setup, programs
     self.cfg, self.r, self.s = setup.cfg.stalesync, setup.cfg.rollout, setup.cfg.stalesync.max_staleness
     self.data_position = data_position
-    self.queue = queue or make_queue(setup, SCORE_FIELDS)
-    # A queue saved before the scores were fields of it: its samples are scored at train time, as then.
+    if queue is None:
+      sample_fields, token_fields = queue_fields(setup.cfg, programs)
+      queue = make_queue(setup, sample_fields, extra_token_fields=token_fields)
+    self.queue = queue
+    # The aux stage's results as queue fields (hybrid): fetched from it after each rollout phase.
+    self.aux_fields = [n for n in ("ref_logp", "rm_score") if n in self.queue.fields]
+    if self.aux_fields and programs.aux_stage is None:
+      raise ValueError(f"StaleSync: the queue holds the aux stage's {self.aux_fields}, and this run has no "
+                       "aux stage (fusion.mode is not hybrid?)")
+    # A queue saved before the scores (the advantages) were fields of it: its samples are scored (their
+    # advantages computed) at train time, as then.
     self.scores_in_queue = "reward" in self.queue.fields
+    self.advantages = (advantage_stage.AdvantageStage(setup.cfg, self.queue) if "advantage" in self.queue.fields
+                       else None)
     self.counters = {"discarded_groups": 0, "trained_groups": 0, "generated_groups": 0, **(counters or {})}
 
   # -- host bookkeeping ------------------------------------------------------------------------------
@@ -137,11 +175,29 @@ class StaleSync:
       ids = rollout.sample_id_b.astype(np.int64)
       for name, values in zip(("reward", "format_ok", "correct"), (rewards, fmt, correct)):
         self.queue.write(name, ids, values, block=False)
+    if self.advantages is not None:
+      with timeline.phase("advantage", group=self.programs.deployment.train_group, step=step):
+        groups, _ = self.advantages.run()
+      m = m | {"stalesync/advantage_groups": float(groups)}
     return m
 
-  def _read(self, indices) -> tuple[Rollout, Rollout, dict]:
+  def _aux(self, rollout: Rollout, step: int, timeline: Timeline) -> dict[str, float]:
+    """The aux stage's results (hybrid): the reference's log-probs and the reward model's scores of the
+    finished samples, computed on the aux devices while they were generated, fetched into the queue
+    (``ref_logp``, ``rm_score``)."""
+    with timeline.phase("aux_fetch", group=self.programs.deployment.aux_group, step=step):
+      rows, scores, m = self.programs.aux_stage.fetch(rollout)
+      ids = rollout.sample_id_b.astype(np.int64)
+      if "ref_logp" in self.aux_fields:
+        self.queue.write("ref_logp", ids, rows, block=False)
+      if "rm_score" in self.aux_fields:
+        self.queue.write("rm_score", ids, scores, block=False)
+    return {f"queue/link_bytes/{k.split('/', 1)[1]}": v for k, v in m.items()}
+
+  def _read(self, indices) -> tuple[Rollout, Rollout, dict, object]:
     """The admitted samples, sorted by sample id: (host Rollout, device Rollout on the training mesh, their
-    ``SCORE_FIELDS`` read from the queue in the same order, empty for a queue without them).
+    ``SCORE_FIELDS`` and ``advantage`` (where the queue has them) read from the queue in the same order, empty
+    for a queue without them).
 
     The device batch is built by ``queue_arrays``: one queue read per data-parallel group of this
     process's devices, each group's rows padded from their packed form on their own (no padded copy of
@@ -151,17 +207,21 @@ class StaleSync:
     queue's byte counters hold what this process fed. Both are as wide as the update runs
     (``phases.batch_width``: ``seq_len``, or with ``optim.width_buckets`` the admitted samples' bucket).
     With the packed update taking its rows from the host (``programs.packed_inputs``) there is no device
-    Rollout (None): the admitted samples are read once, as the host Rollout."""
+    Rollout (None): the admitted samples are read once, as the host Rollout. Last: the reference's
+    log-probs from the queue (``ref_logp``; None without that field), as the device batch holds them, or
+    as host rows [B, width] for the packed update."""
     order = np.sort(np.asarray(indices, np.int64))
     lengths = self.queue.peek(order, ("prompt_len", "response_len"))
     width = phases.batch_width(self.setup.cfg, lengths["prompt_len"] + lengths["response_len"])
-    scores = lambda reads: {n: np.concatenate([b.sample[n] for b in reads]) for n, _ in SCORE_FIELDS
-                            if self.scores_in_queue}
+    names = [n for n, _ in SCORE_FIELDS + REWARD_MODEL_FIELDS + advantage_stage.ADVANTAGE_FIELDS
+             if n in self.queue.fields]
+    scores = lambda reads: {n: np.concatenate([b.sample[n] for b in reads]) for n in names}
     if self.programs.packed_inputs:
       # The packed update places its rows from the host samples itself (``phases.train_phase``): one read,
       # no padded device batch.
       batch = self.queue.read(CONSUMER, order)
-      return host_rollout([batch], width), None, scores([batch])
+      ref = unpack(batch.tokens["ref_logp"], width, PADS["ref_logp"]) if "ref_logp" in self.aux_fields else None
+      return host_rollout([batch], width), None, scores([batch]), ref
     reads: list[Batch] = []
 
     def read(part):
@@ -179,7 +239,7 @@ class StaleSync:
       reads += [self.queue.read(CONSUMER, part, counted=False) for part in _runs(others, order)]
     reads.sort(key=lambda b: int(b.indices[0]))
     host = host_rollout(reads, width)
-    return host, device, scores(reads)
+    return host, device, scores(reads), arrays.get("ref_logp")
 
   # -- one step ----------------------------------------------------------------------------------------
 
@@ -197,6 +257,8 @@ class StaleSync:
     state, result, metrics = phases.generation_phase(self.programs, state, step, timeline, run)
     if len(result.rollout.sample_id_b):
       self._put(result.rollout)
+      if self.aux_fields:
+        metrics |= self._aux(result.rollout, step, timeline)
       if self.scores_in_queue:
         metrics |= self._score(result.rollout, step, timeline)
     finished = result.rollout.response_len_b
@@ -226,14 +288,15 @@ class StaleSync:
     state, metrics = self._generate(state, step, timeline)
     groups, indices, adm_metrics = self._admit(step)
     depth_before = self.queue.stats().get("depth", 0.0)
-    rollout, device_rollout, read_scores = self._read(indices)
+    rollout, device_rollout, read_scores, ref_logp = self._read(indices)
     problems = [self.setup.train_task.problem(g) for g in groups]
     scored = None
     if read_scores:
       rewards, shaped = phases.shape_rewards(self.setup.cfg, rollout, read_scores["reward"])
       scored = (rewards, read_scores["format_ok"], read_scores["correct"], shaped)
     state, m = phases.train_phase(self.setup, self.programs, state, ref_resting, step, timeline, problems,
-                                  rollout, device_rollout, scored=scored)
+                                  rollout, device_rollout, scored=scored, advantages=read_scores.get("advantage"),
+                                  ref_logp=ref_logp, rm_scores=read_scores.get("rm_score"))
     self.counters["trained_groups"] += len(groups)
     versions = [rollout.version_bt[b, p:p + n] for b, (p, n) in
                 enumerate(zip(rollout.prompt_len_b, rollout.response_len_b))]
