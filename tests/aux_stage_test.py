@@ -110,21 +110,23 @@ def test_evicted_and_unscored_samples_are_scored_when_asked_for():
     stage.take(_samples(12, cfg.model.config.vocab_size), None, SEQ_LEN)
 
 
-def test_fetched_reference_holds_the_response_log_probs_as_the_queue_field():
+def test_fetched_reference_holds_the_response_log_probs_as_the_queue_field(monkeypatch):
   # The reference log-probs fetched for the queue's ref_logp field: the samples scored early and those
-  # scored now (never submitted) alike, response positions only (prompt positions 0), more than one
-  # FETCH_BLOCK of them, and the bytes that crossed.
+  # scored now (never submitted) alike, response positions only (prompt positions 0), in large blocks and
+  # then small ones (made small here, so that this batch takes both), and the bytes that crossed.
+  monkeypatch.setattr(aux_stage_lib, "FETCH_BLOCKS", (512, 64))
   cfg, mesh, params, fn, stage = _setup(capacity=200)
-  block = aux_stage_lib.FETCH_BLOCK
   batch = _samples(160, cfg.model.config.vocab_size, seed=5)
-  assert batch.response_len_b.sum() > block
+  total = int(batch.response_len_b.sum())
+  starts = aux_stage_lib.fetch_starts(total)
+  assert {size for _, size in starts} == {512, 64} and 0 <= sum(size for _, size in starts) - total < 64
   stage.begin(params, None, 0)
   stage.submit(_part(batch, np.arange(0, 100)))
   rows, scores, metrics = stage.fetch(batch)
   assert scores is None                                           # no reward model in this stage
   assert not stage.slot_of and len(stage.free) == 200          # released: the queue holds them now
-  blocks = -(-int(batch.response_len_b.sum()) // block)
-  assert metrics == {"link_bytes/aux_to_host": float(blocks * block * 4)}
+  assert metrics == {"link_bytes/aux_to_host": float(4 * sum(size for _, size in starts)),
+                     "link_bytes/aux_to_host_padded": float(160 * SEQ_LEN * 4)}
   lengths = batch.prompt_len_b + batch.response_len_b
   layout = packing.plan(lengths, SEQ_LEN, packing.row_buckets(160, 2, per_doubling=2), groups=2)
   placed, _ = packed_step.place_rows(mesh, layout, tokens_bt=batch.tokens_bt, behaviour_logp_bt=batch.logp_bt,

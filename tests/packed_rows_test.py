@@ -172,6 +172,30 @@ def test_streams_in_pages_give_the_same_rows_at_every_length(tensor):
   assert packed_step._rows_from_stream_fn(mesh, 16, SEQ_LEN, packing.StreamFormat(1, 1), True)._cache_size() == 1
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_reference_log_probs_cross_in_the_stream(paged):
+  # The queue's reference log-probs (StaleSync in hybrid) ride in the rows' stream: 4 more bytes a
+  # response token, rebuilt as ref_logp_rw on the response positions (0 elsewhere), the other rows as
+  # without them; the padded equivalent counts a fourth float field.
+  mesh = make_mesh(MeshConfig(data=2, tensor=2), jax.devices()[:4])
+  prompt_b, response_b, tokens_bt, logp_bt, version_bt, mask_bt = samples(7)
+  ref_bt = np.where(mask_bt > 0, -2.0 - np.random.default_rng(8).random(mask_bt.shape), 0).astype(np.float32)
+  layout = packing.plan(prompt_b + response_b, SEQ_LEN, (16,), groups=2)
+  kw = dict(tokens_bt=tokens_bt, behaviour_logp_bt=logp_bt, version_bt=version_bt, prompt_len_b=prompt_b,
+            vocab_size=128, max_version_span=2)
+  pages = packed_step.StreamPages(mesh, 16, SEQ_LEN, token_bytes=1, ref_logp=True) if paged else None
+  rows, link = packed_step.place_rows(mesh, layout, ref_logp_bt=ref_bt, pages=pages, **kw)
+  plain, plain_link = packed_step.place_rows(mesh, layout, **kw)
+  assert plain.ref_logp_rw is None
+  np.testing.assert_array_equal(jax.device_get(rows.ref_logp_rw), layout.pack(ref_bt))
+  for name in ("tokens_rw", "behaviour_logp_rw", "version_rw"):
+    np.testing.assert_array_equal(jax.device_get(getattr(rows, name)), jax.device_get(getattr(plain, name)))
+  by_hand = stream_bytes_by_hand(prompt_b, response_b, 1, 1) + 4 * response_b
+  assert link["stream_used_bytes"] == by_hand.sum() == plain_link["stream_used_bytes"] + 4 * response_b.sum()
+  extra = link["host_to_device_padded"] - plain_link["host_to_device_padded"]   # one more float [B, width]
+  assert extra > 0 and 3 * extra == plain_link["host_to_device_padded"] - (6 * 16 * 2 + 4)
+
+
 def test_per_sample_numbers_widen_to_int32_when_they_do_not_fit_16_bits():
   mesh = make_mesh(MeshConfig(data=-1), jax.devices()[:2])
   width, prompt_b = 2 ** 16 + 8, np.array([3, 5, 2, 4], np.int32)
@@ -198,6 +222,9 @@ def test_stream_refuses_what_it_cannot_carry():
   with pytest.raises(ValueError, match="prompt is longer"):
     packing.pack_stream(layout, 2, fmt, tokens_bt=tokens_bt, version_bt=version_bt, behaviour_logp_bt=logp_bt,
                         prompt_len_b=prompt_b + response_b + 1)
+  with pytest.raises(ValueError, match="ref_logp_bt given for a format with ref_logp=False"):
+    packing.pack_stream(layout, 2, fmt, tokens_bt=tokens_bt, version_bt=version_bt, behaviour_logp_bt=logp_bt,
+                        prompt_len_b=prompt_b, ref_logp_bt=logp_bt)
 
 
 def test_rows_cross_once_per_data_parallel_group_and_are_shared_on_the_device():

@@ -10,7 +10,10 @@ a per-sample vector (``[capacity]``), all dispatched without waiting: the aux de
 rollout devices decode the next chunk. The train phase then asks for its batch (``take``): samples not
 scored yet (none were finished in this run: a resume, or evicted from a full buffer) are scored on the
 spot, and one gather builds the update's reference log-probs in the update's own layout (packed rows or
-padded rows) and another the batch's scores, on the aux mesh.
+padded rows) and another the batch's scores, on the aux mesh. Under StaleSync (``stalesync.StaleSync._aux``)
+``fetch`` instead takes a rollout phase's results to the host, for the queue's ``ref_logp`` and
+``rm_score`` fields: the responses' log-probs laid end to end in blocks of ``FETCH_BLOCKS`` values, and
+the scores.
 
 Every shape is bucketed: a chunk's samples pad to a power of two (zero-length samples take no row), its
 rows to the chunk row buckets, so the stage compiles a few programs, none per chunk. The buffers hold
@@ -42,9 +45,17 @@ from rl_fusion_jax.train import packed_step, packing
 from rl_fusion_jax.types import Rollout
 
 BLOCK_EVERY = 4
-# Values a call of the reference log-probs' fetch (``AuxStage.fetch_reference``) returns: one program
-# shape, each fetch at most one block longer than the log-probs it holds.
-FETCH_BLOCK = 1024
+# Values a call of the reference log-probs' fetch (``AuxStage.fetch``) returns: large blocks while the rest
+# fills one, then small ones, so a fetch is at most one small block longer than the log-probs it holds
+# (two program shapes).
+FETCH_BLOCKS = (4096, 128)
+
+
+def fetch_starts(total: int) -> list[tuple[int, int]]:
+  """(start, size) of the blocks that fetch ``total`` values laid end to end."""
+  big, small = FETCH_BLOCKS
+  starts = [(start, big) for start in range(0, total - total % big, big)]
+  return starts + [(start, small) for start in range(total - total % big, total, small)]
 
 
 def _scatter(buffer_ct, logp_rw, row_k, start_k, length_k, dest_k):
@@ -62,11 +73,11 @@ def _scatter_scores(scores_c, score_k, dest_k):
   return scores_c.at[dest_k].set(score_k, mode="drop")
 
 
-def _take_flat(buffer_ct, slot_k, column_k, offset_k, length_k, start):
-  """``FETCH_BLOCK`` values, from position ``start``, of the samples' response log-probs laid end to end:
+def _take_flat(buffer_ct, slot_k, column_k, offset_k, length_k, start, *, size: int):
+  """``size`` values, from position ``start``, of the samples' response log-probs laid end to end:
   value j is ``buffer_ct[slot_k, column_k + j - offset_k]`` for the sample k with ``offset_k <= j <
   offset_k + length_k`` (offsets ascending; entries of length 0 after the samples), 0 past the last."""
-  j = start + jnp.arange(FETCH_BLOCK, dtype=jnp.int32)
+  j = start + jnp.arange(size, dtype=jnp.int32)
   k = jnp.clip(jnp.searchsorted(offset_k, j, side="right") - 1, 0, offset_k.shape[0] - 1)
   inside = (j >= offset_k[k]) & (j < offset_k[k] + length_k[k])
   col = jnp.clip(column_k[k] + j - offset_k[k], 0, buffer_ct.shape[1] - 1)
@@ -105,7 +116,8 @@ class AuxStage:
     rep = self._rep = mesh_lib.replicated(self.mesh)
     self._scatter = shared_programs.jit(_scatter, out_shardings=rep, donate_argnums=(0,))
     self._scatter_scores = shared_programs.jit(_scatter_scores, out_shardings=rep, donate_argnums=(0,))
-    self._take_flat = shared_programs.jit(_take_flat, out_shardings=rep)
+    self._take_flat = {size: shared_programs.jit(functools.partial(_take_flat, size=size), out_shardings=rep)
+                       for size in FETCH_BLOCKS}
     self.buffer = distributed.put(np.zeros((capacity, self.seq_len), np.float32), rep) if reference else None
     self.scores = distributed.put(np.zeros((capacity,), np.float32), rep) if reward else None
     self.slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()   # sample id -> row, oldest first
@@ -223,8 +235,9 @@ class AuxStage:
     reference's log-probs, ``ref_logp``: one float32 array per sample, as long as its prompt + response, the
     response positions the reference's log-probs and the prompt positions 0, as a ``Rollout``'s; the reward
     model's scores, ``rm_score``: float32 [B]; each None where the stage does not compute it) and the
-    bytes fetched (``link_bytes/aux_to_host``). Samples not scored yet are scored first. Of the log-probs
-    only the responses' cross, laid end to end in blocks of ``FETCH_BLOCK`` (one program shape). The
+    bytes fetched (``link_bytes/aux_to_host``; ``..._padded``: the same samples as float32 rows of
+    ``seq_len`` and a score each). Samples not scored yet are scored first. Of the log-probs
+    only the responses' cross, laid end to end in blocks (``fetch_starts``: two program shapes). The
     samples' buffer rows are released after: the queue holds their values now."""
     ids = [int(s) for s in np.asarray(rollout.sample_id_b)]
     if len(ids) > self.capacity:
@@ -244,8 +257,8 @@ class AuxStage:
       table[2, len(ids):] = total                      # unused entries: length 0, after every sample
       table[:, :len(ids)] = [slots, prompt, offset, length]
       slot, column, offsets, lengths = distributed.put(tuple(table), self._rep)
-      blocks = distributed.fetch([self._take_flat(self.buffer, slot, column, offsets, lengths, np.int32(start))
-                                  for start in range(0, total, FETCH_BLOCK)])
+      blocks = distributed.fetch([self._take_flat[size](self.buffer, slot, column, offsets, lengths, np.int32(start))
+                                  for start, size in fetch_starts(total)])
       fetched += sum(np.asarray(b).nbytes for b in blocks)
       flat = np.concatenate([np.zeros((0,), np.float32)] + [np.asarray(b) for b in blocks])[:total]
       rows = [np.concatenate([np.zeros((p,), np.float32), flat[o:o + n]]) for p, o, n in zip(prompt, offset, length)]
@@ -256,7 +269,8 @@ class AuxStage:
       fetched += all_scores.nbytes
       scores = all_scores[:len(ids)].astype(np.float32)
     self.forget(ids)
-    return rows, scores, {"link_bytes/aux_to_host": float(fetched)}
+    padded = len(ids) * 4 * ((self.seq_len if self.reference else 0) + (1 if self.reward else 0))
+    return rows, scores, {"link_bytes/aux_to_host": float(fetched), "link_bytes/aux_to_host_padded": float(padded)}
 
   def close(self) -> None:
     self._waiter.shutdown(wait=True)

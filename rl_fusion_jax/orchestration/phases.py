@@ -309,11 +309,11 @@ def guarded_update(update, *args):
     return update(*args)
 
 
-def _place_packed(setup: Setup, programs: Programs, rollout: Rollout):
+def _place_packed(setup: Setup, programs: Programs, rollout: Rollout, ref_logp_bt=None):
   """The host's samples as packed rows on the training mesh (first-fit decreasing into rows of
   ``seq_len``, row count bucketed; ``packed_step.place_rows``) -> (rows, (positions, segment ids, sample
   index, response mask) derived on the device, metrics: the packing and the bytes put against the padded
-  update's)."""
+  update's). ``ref_logp_bt``: host rows of the reference's log-probs, placed in the same stream."""
   lengths = np.asarray(rollout.prompt_len_b) + np.asarray(rollout.response_len_b)
   layout = packing.plan(lengths, setup.cfg.rollout.seq_len, programs.row_buckets,
                         groups=mesh_lib.batch_shards(programs.mesh), micro=programs.plan_micro)
@@ -322,7 +322,8 @@ def _place_packed(setup: Setup, programs: Programs, rollout: Rollout):
                                       behaviour_logp_bt=rollout.logp_bt, version_bt=rollout.version_bt,
                                       prompt_len_b=rollout.prompt_len_b, vocab_size=cfg.model.config.vocab_size,
                                       max_version_span=cfg.stalesync.max_staleness if cfg.stalesync.enabled else 0,
-                                      padded_width=batch_width(cfg, lengths), pages=programs.stream_pages)
+                                      padded_width=batch_width(cfg, lengths), pages=programs.stream_pages,
+                                      ref_logp_bt=ref_logp_bt)
   stats = {"pack/rows": float(layout.num_rows), "pack/rows_used": float(layout.rows_used),
            "pack/padding_frac": float(1 - lengths.sum() / (layout.num_rows * layout.width)),
            "pack/stream_bytes": link.pop("stream_bytes"), "pack/stream_used_bytes": link.pop("stream_used_bytes"),
@@ -441,12 +442,6 @@ def score(setup: Setup, programs: Programs, rollout: Rollout, problems):
   return rewards, fmt, correct, m | shaped
 
 
-def _local_shard_frac(mesh) -> float:
-  """The share of ``mesh``'s batch shards that this process's devices hold."""
-  local = {d.id for d in jax.local_devices()}
-  return float(np.mean([d.id in local for d in mesh.devices.flat]))
-
-
 def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int, timeline: Timeline,
                 problems, rollout: Rollout, device_rollout: Rollout | None = None, scored=None, advantages=None,
                 ref_logp=None, rm_scores=None):
@@ -464,7 +459,7 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
   StaleSync queue, where its advantage stage wrote them; else computed here from the final rewards) and
   the update's program takes them as given. ``ref_logp``: the reference's log-probs read from the
   StaleSync queue (hybrid: its ``ref_logp`` field), as the device batch's rows [B, width] on the training
-  mesh, or host rows [B, width] that the packed update places as its packed rows; None: computed here.
+  mesh, or host rows [B, width] that the packed update sends in its rows' stream; None: computed here.
   ``rm_scores``: the reward model's scores read from the queue (hybrid: ``rm_score``; host [B]).
 
   With a critic (``programs.critic``, PPO + GAE): its values of the batch are dispatched with the
@@ -478,8 +473,9 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
   metrics = {"sample_len_max": float(length_b.max(initial=0))}   # what optim.width_buckets would cut to
   t0 = time.perf_counter()
   ref_call = rm_call = rows = None
+  queued_ref, ref_logp = ref_logp, None
   if programs.packed_inputs:     # packed rows straight from the host's samples (no padded batch)
-    rows, row_fields, pack_stats = _place_packed(setup, programs, rollout)
+    rows, row_fields, pack_stats = _place_packed(setup, programs, rollout, queued_ref)
     metrics |= pack_stats
     aux_rows = functools.cache(lambda: _rows_on_aux(programs, (rows.tokens_rw,) + row_fields[:2],
                                                     (rows.row_b, rows.start_b, rows.length_b)))
@@ -499,7 +495,6 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
   if programs.reward_model is not None and not (stage is not None and stage.reward):
     rm_call = _AuxCall("reward_model", programs, timeline, step, *rm_args())
   stage_ref = stage_rm = None
-  queued_ref, ref_logp = ref_logp, None
   if stage is not None:    # scored on the aux devices as the samples finished (the rest now)
     with timeline.phase("aux_gather", group=d.aux_group, step=step):
       stage_ref, stage_rm, m = stage.take(rollout, row_fields[-1] if rows is not None else None, width,
@@ -525,16 +520,8 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
       advantages = advantage_stage.advantages(cfg.algo, cfg.rollout.group_size, rewards)
   reward_s = time.perf_counter() - t0
   t0 = time.perf_counter()
-  if queued_ref is not None and rows is not None:    # host rows from the queue -> the packed rows
-    packed_ref = row_fields[-1].pack(np.asarray(queued_ref, np.float32))
-    ref_logp = distributed.put(packed_ref, rows.behaviour_logp_rw.sharding)
-    shards = mesh_lib.batch_shards(programs.mesh)
-    for key, nbytes in (("host_to_device", packed_ref.nbytes), ("host_to_device_padded", 4 * queued_ref.size),
-                        ("host_to_device_per_device", packed_ref.nbytes // shards),
-                        ("host_to_device_this_host", packed_ref.nbytes * _local_shard_frac(programs.mesh))):
-      metrics[f"queue/link_bytes/{key}"] += float(nbytes)
-  elif queued_ref is not None:    # read from the queue into the device batch's rows
-    ref_logp = queued_ref
+  if queued_ref is not None:    # from the queue: in the packed rows' stream, or the device batch's rows
+    ref_logp = rows.ref_logp_rw if rows is not None else queued_ref
   elif ref_call is not None or stage_ref is not None:
     if stage_ref is not None:
       ref_logp = stage_ref

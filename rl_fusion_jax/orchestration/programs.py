@@ -149,8 +149,11 @@ class Programs:
         self.row_buckets = self.row_buckets[-1:]
         self.plan_micro = self.micro.num_micro(self.row_buckets[0], r.seq_len, mesh_lib.batch_shards(self.mesh))
         # The streams cross as pages into one buffer: the rows are rebuilt by one program at every length.
+        # Under StaleSync in hybrid the reference log-probs cross in the stream too (the queue's ref_logp).
+        ref_in_stream = d.mode == "hybrid" and cfg.algo.needs_reference and cfg.stalesync.enabled
         self.stream_pages = packed_step.StreamPages(self.mesh, self.row_buckets[0], r.seq_len,
-                                                    packing.value_bytes(model_cfg.vocab_size))
+                                                    packing.value_bytes(model_cfg.vocab_size),
+                                                    ref_logp=ref_in_stream)
     # Reference and reward models run on the deployment's aux mesh (the training mesh unless hybrid).
     self.aux_mesh = d.aux_mesh
     self.ref_param_shardings = (self.param_shardings if d.aux_mesh is self.mesh else

@@ -227,6 +227,7 @@ class PackedRows:
   length_b: jax.Array            # int32 [B], prompt + response
   prompt_len_b: jax.Array        # int32 [B]
   segment_b: jax.Array           # int32 [B], 1.. in its row's column order
+  ref_logp_rw: jax.Array | None = None   # float32 [R, W]: the reference log-probs, where they were sent
 
 
 def _write_page(buffer, page, j):
@@ -241,13 +242,15 @@ class StreamPages:
   shape, so the program that rebuilds the rows (``rows_from_stream``) sees one shape whatever the
   stream's length: nothing compiles when a batch's stream is longer or shorter than before. The buffer
   holds the most a group's rows can carry: ``rows / G * width`` tokens of ``token_bytes + 8`` bytes (a
-  token id, its log-prob bits, a version of up to 4 bytes), in at most ``max_pages`` pages (a stream
-  rounds up to a whole page: 1/64 of that at most)."""
+  token id, its log-prob bits, a version of up to 4 bytes; 4 more with ``ref_logp``, the reference
+  log-prob's bits), in at most ``max_pages`` pages (a stream rounds up to a whole page: 1/64 of that at
+  most)."""
 
-  def __init__(self, mesh: Mesh, num_rows: int, width: int, token_bytes: int, max_pages: int = 64):
+  def __init__(self, mesh: Mesh, num_rows: int, width: int, token_bytes: int, max_pages: int = 64,
+               ref_logp: bool = False):
     self.mesh, self.groups = mesh, batch_shards(mesh)
     self.devices = mesh.size // self.groups
-    capacity = num_rows // self.groups * width * (token_bytes + 8)
+    capacity = num_rows // self.groups * width * (token_bytes + 8 + (4 if ref_logp else 0))
     self.device_bytes = 256 * math.ceil(capacity / (max_pages * self.devices * 256))
     self.page_bytes = self.devices * self.device_bytes       # of one group's stream
     self.pages = math.ceil(capacity / self.page_bytes)
@@ -280,7 +283,7 @@ class StreamPages:
 
 def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_bt, version_bt, prompt_len_b,
                vocab_size: int, max_version_span: int = 0, padded_width: int | None = None,
-               pages: StreamPages | None = None) -> tuple[PackedRows, dict[str, float]]:
+               pages: StreamPages | None = None, ref_logp_bt=None) -> tuple[PackedRows, dict[str, float]]:
   """Host samples (right-padded rows, any width >= their lengths) -> ``PackedRows`` on ``mesh``, and the
   bytes put.
 
@@ -301,16 +304,19 @@ def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_
   own groups' streams, and the per-sample numbers once); ``stream_bytes`` (each group's stream length)
   and ``stream_used_bytes`` (the bytes holding samples, all groups). ``pages``: the stream crosses as whole pages into that buffer
   (``StreamPages``; its length a number of pages rather than a bucket), so the rows are rebuilt by one
-  program for every stream length."""
+  program for every stream length. ``ref_logp_bt``: the reference's log-probs too (right-padded rows, as
+  the other token fields), their response tokens' float32 bits in the stream (``ref_logp_rw``); the
+  padded equivalent then counts 4 fields a token."""
   groups = batch_shards(mesh)
   if layout.num_rows % groups:
     raise ValueError(f"{layout.num_rows} packed rows do not split over data*fsdp={groups} "
                      "batch shards; take the row buckets from packing.row_multiple")
   per_group_devices = mesh.size // groups
-  fmt = packing.StreamFormat(packing.value_bytes(vocab_size), packing.value_bytes(max_version_span + 1))
+  fmt = packing.StreamFormat(packing.value_bytes(vocab_size), packing.value_bytes(max_version_span + 1),
+                             ref_logp=ref_logp_bt is not None)
   stream = packing.pack_stream(layout, groups, fmt, tokens_bt=tokens_bt, behaviour_logp_bt=behaviour_logp_bt,
                                version_bt=version_bt, prompt_len_b=prompt_len_b, multiple=per_group_devices,
-                               page=pages.page_bytes if pages is not None else 0)
+                               page=pages.page_bytes if pages is not None else 0, ref_logp_bt=ref_logp_bt)
   if pages is not None:
     data, most, here = pages.put(stream.bytes_gn)
   else:
@@ -331,7 +337,7 @@ def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_
   width = padded_width or step_lib.train_width(int(layout.length_b.max(initial=0)), layout.width)
   return rows, {"stream_bytes": float(stream.bytes_gn.shape[1]), "stream_used_bytes": float(stream.used_bytes),
                 "host_to_device": float(stream.bytes_gn.nbytes + sample_bytes),
-                "host_to_device_padded": float(3 * 4 * len(layout.length_b) * width + sample_bytes),
+                "host_to_device_padded": float((3 + fmt.ref_logp) * 4 * len(layout.length_b) * width + sample_bytes),
                 "host_to_device_per_device": float(most + sample_bytes),
                 "host_to_device_this_host": float(here + sample_bytes)}
 
@@ -368,23 +374,21 @@ def rows_from_stream(data_xl, table_6b, version_base, *, num_rows: int, width: i
   base = offset_rw + tb * length_rw
   bits = value(base + 4 * j_rw, 4)
   version = value(base + 4 * (length_rw - prompt_rw) + vb * j_rw, vb).astype(jnp.int32) + version_base
+  as_float = lambda bits_rw: jnp.where(response, jax.lax.bitcast_convert_type(bits_rw, jnp.float32), 0.0)
+  ref = as_float(value(base + (4 + vb) * (length_rw - prompt_rw) + 4 * j_rw, 4)) if fmt.ref_logp else None
   return PackedRows(tokens_rw=jnp.where(inside, value(offset_rw + tb * pos_rw, tb), 0).astype(jnp.int32),
-                    behaviour_logp_rw=jnp.where(response, jax.lax.bitcast_convert_type(bits, jnp.float32), 0.0),
-                    version_rw=jnp.where(response, version, -1), row_b=row_b, start_b=start_b, length_b=length_b,
-                    prompt_len_b=prompt_len_b, segment_b=segment_b)
+                    behaviour_logp_rw=as_float(bits), version_rw=jnp.where(response, version, -1), row_b=row_b,
+                    start_b=start_b, length_b=length_b, prompt_len_b=prompt_len_b, segment_b=segment_b,
+                    ref_logp_rw=ref)
 
 
 @functools.lru_cache(maxsize=32)
 def _rows_from_stream_fn(mesh: Mesh, num_rows: int, width: int, fmt: packing.StreamFormat, paged: bool = False):
   b2, rep = batch_sharding(mesh, 2), replicated(mesh)
-  if paged:
-    b2_in = NamedSharding(mesh, P(None, BATCH_AXES, None))
-    fn = functools.partial(rows_from_stream, num_rows=num_rows, width=width, groups=batch_shards(mesh), fmt=fmt)
-    return jax.jit(fn, in_shardings=(b2_in, rep, rep),
-                   out_shardings=PackedRows(b2, b2, b2, rep, rep, rep, rep, rep))
+  out = PackedRows(b2, b2, b2, rep, rep, rep, rep, rep, b2 if fmt.ref_logp else None)
   fn = functools.partial(rows_from_stream, num_rows=num_rows, width=width, groups=batch_shards(mesh), fmt=fmt)
-  return jax.jit(fn, in_shardings=(b2, rep, rep),
-                 out_shardings=PackedRows(b2, b2, b2, rep, rep, rep, rep, rep))
+  b2_in = NamedSharding(mesh, P(None, BATCH_AXES, None)) if paged else b2
+  return jax.jit(fn, in_shardings=(b2_in, rep, rep), out_shardings=out)
 
 
 def covering(num_rows: int, width: int, row_k, start_k, length_k):

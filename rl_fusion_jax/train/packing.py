@@ -273,24 +273,27 @@ def stream_length(used: int, multiple: int, unit: int = 256) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class StreamFormat:
-  """Bytes per token id (``value_bytes(vocab_size)``) and per version (above the batch's lowest)."""
+  """Bytes per token id (``value_bytes(vocab_size)``) and per version (above the batch's lowest); with
+  ``ref_logp`` also a reference log-prob per response token (float32 bits)."""
   token_bytes: int
   version_bytes: int
+  ref_logp: bool = False
 
   def sample_bytes(self, length_b, prompt_len_b) -> np.ndarray:
-    """Bytes each sample takes: its tokens, then 4 (float32 log-prob bits) + ``version_bytes`` per
-    response token."""
+    """Bytes each sample takes: its tokens, then 4 (float32 log-prob bits) + ``version_bytes`` (+ 4, the
+    reference log-prob's bits) per response token."""
     length_b, prompt_len_b = np.asarray(length_b, np.int64), np.asarray(prompt_len_b, np.int64)
-    return (self.token_bytes * length_b
-            + (4 + self.version_bytes) * np.where(length_b > 0, length_b - prompt_len_b, 0))
+    per_response = 4 + self.version_bytes + (4 if self.ref_logp else 0)
+    return self.token_bytes * length_b + per_response * np.where(length_b > 0, length_b - prompt_len_b, 0)
 
 
 @dataclasses.dataclass(frozen=True)
 class Stream:
   """Per group g (rows ``g * R/G`` to ``(g + 1) * R/G``), ``bytes_gn[g]`` holds its samples in sample
   order, each as: its token ids, the float32 bits of its response tokens' behaviour log-probs, its
-  response tokens' versions minus ``version_base`` (every value little-endian, in ``StreamFormat``'s
-  widths); zeros after the last sample."""
+  response tokens' versions minus ``version_base``, with ``StreamFormat.ref_logp`` the float32 bits of
+  their reference log-probs (every value little-endian, in ``StreamFormat``'s widths); zeros after the
+  last sample."""
   bytes_gn: np.ndarray         # uint8 [G, N]
   offset_b: np.ndarray         # int64 [B]: where sample b starts in its group's stream
   version_base: int
@@ -321,10 +324,14 @@ def _put(out, g, at, values, width: int, what: str):
 
 
 def pack_stream(layout: Layout, groups: int, fmt: StreamFormat, *, tokens_bt, behaviour_logp_bt, version_bt,
-                prompt_len_b, multiple: int = 1, page: int = 0) -> Stream:
+                prompt_len_b, multiple: int = 1, page: int = 0, ref_logp_bt=None) -> Stream:
   """Samples (right-padded rows) -> their ``Stream``: each group's bytes, the stream length bucketed
   (``stream_length``, a multiple of ``multiple``), or with ``page`` > 0 a whole number of pages of
-  ``page`` bytes (at least one)."""
+  ``page`` bytes (at least one). ``ref_logp_bt``: the reference log-probs, given exactly when
+  ``fmt.ref_logp``."""
+  if (ref_logp_bt is not None) != fmt.ref_logp:
+    raise ValueError(f"pack_stream: ref_logp_bt {'given' if ref_logp_bt is not None else 'missing'} for a "
+                     f"format with ref_logp={fmt.ref_logp}")
   length_b, prompt_b = layout.length_b, np.asarray(prompt_len_b, np.int64)
   bad = (prompt_b > length_b) & (length_b > 0)
   if bad.any():
@@ -349,4 +356,7 @@ def pack_stream(layout: Layout, groups: int, fmt: StreamFormat, *, tokens_bt, be
   bits = np.ascontiguousarray(np.asarray(behaviour_logp_bt, np.float32)[s, prompt_b[s] + j]).view(np.uint32)
   _put(out, g, base + 4 * j, bits, 4, "log-prob bits")
   _put(out, g, base + 4 * r + vb * j, version - version_base, vb, "versions above the batch's lowest")
+  if fmt.ref_logp:
+    ref_bits = np.ascontiguousarray(np.asarray(ref_logp_bt, np.float32)[s, prompt_b[s] + j]).view(np.uint32)
+    _put(out, g, base + (4 + vb) * r + 4 * j, ref_bits, 4, "reference log-prob bits")
   return Stream(out, offset_b, version_base, int(per_group.sum()), fmt)
