@@ -58,6 +58,16 @@ def test_staleness_zero_is_the_synchronous_loop(tmp_path, mode):
   if mode.startswith("hybrid"):
     assert rows(s0)[-1]["kl_seq"] > 0          # the reference differs from the policy: the check can fail
     assert all(r["queue/link_bytes/aux_to_host"] > 0 for r in rows(s0))
+    # The aux devices scored the samples as they finished, inside each step's generate phase, and the
+    # fetch into the queue came after it.
+    from rl_fusion_jax.timeline import load_timeline, timeline_path  # pylint: disable=g-import-not-at-top
+    data = load_timeline(timeline_path(s0))
+    for step in (0, 1):
+      gen = next(i for i in data.intervals if i.name == "generate" and i.step == step)
+      scored = [i for i in data.intervals if i.name == "reference" and i.step == step]
+      fetch = next(i for i in data.intervals if i.name == "aux_fetch" and i.step == step)
+      assert scored and {i.group for i in scored} == {"aux"} and any(i.start < gen.end for i in scored)
+      assert fetch.group == "aux" and fetch.start >= gen.end
   if mode.endswith("rm"):
     assert all(r["reward_model_score"] != 0 for r in rows(s0))
     assert rows(s0)[0]["reward_model_score"] == rows(sync)[0]["reward_model_score"]
