@@ -218,8 +218,10 @@ class StaleSync:
     scores = lambda reads: {n: np.concatenate([b.sample[n] for b in reads]) for n in names}
     if self.programs.packed_inputs:
       # The packed update places its rows from the host samples itself (``phases.train_phase``): one read,
-      # no padded device batch.
-      batch = self.queue.read(CONSUMER, order)
+      # no padded device batch. Every process reads every admitted sample (each builds the groups' streams
+      # and puts its own groups' parts: ``host_to_device_this_host``); the read is counted once for the
+      # run, on process 0, so the counters summed over the processes hold what the run fed.
+      batch = self.queue.read(CONSUMER, order, counted=processes.process_index() == 0)
       ref = unpack(batch.tokens["ref_logp"], width, PADS["ref_logp"]) if "ref_logp" in self.aux_fields else None
       return host_rollout([batch], width), None, scores([batch]), ref
     reads: list[Batch] = []
