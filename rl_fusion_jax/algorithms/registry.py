@@ -130,6 +130,18 @@ def get_token_weights_fn(name: str) -> Callable:
   return _lookup(AGGREGATIONS, "aggregation", name)
 
 
+def _marked(decorate: Callable[[F], F], marks: set[str] | None, name: str) -> Callable[[F], F]:
+  """``decorate``, then ``name`` added to the set ``marks`` (none if None)."""
+
+  def decorator(fn: F) -> F:
+    fn = decorate(fn)
+    if marks is not None:
+      marks.add(name)
+    return fn
+
+  return decorator
+
+
 def check_aggregation(name: str) -> str:
   """Returns `name` if it is a known aggregation mode, else raises ValueError listing the known ones."""
   _lookup(AGGREGATIONS, "aggregation", name)
@@ -142,15 +154,8 @@ def register_advantage(name: str, params: type | None = None, *, per_group: bool
   depends on its own group's rewards only (GRPO, RLOO); such an estimator is computed one group at a time
   by the host's advantage stage (`orchestration/advantage_stage.py`). Without it the estimator sees the
   whole batch, inside the update's program."""
-  decorate = _register(ADVANTAGE_ESTIMATORS, "advantage estimator", name, params, ADVANTAGE_PARAMS)
-
-  def decorator(fn: F) -> F:
-    fn = decorate(fn)
-    if per_group:
-      PER_GROUP_ADVANTAGES.add(name)
-    return fn
-
-  return decorator
+  return _marked(_register(ADVANTAGE_ESTIMATORS, "advantage estimator", name, params, ADVANTAGE_PARAMS),
+                 PER_GROUP_ADVANTAGES if per_group else None, name)
 
 
 def register_token_advantage(name: str, params: type | None = None) -> Callable[[F], F]:
@@ -169,15 +174,8 @@ def register_policy_loss(name: str, params: type | None = None, *, row_level: bo
   `losses.POLICY_LOSS_STATS` keys and accepts `proximal_logp_bt` (see above). `row_level`: it reduces
   over a whole row, so packed rows (several samples per row) are refused.
   """
-  decorate = _register(POLICY_LOSSES, "policy loss", name, params, POLICY_LOSS_PARAMS)
-
-  def decorator(fn: F) -> F:
-    fn = decorate(fn)
-    if row_level:
-      ROW_LEVEL_POLICY_LOSSES.add(name)
-    return fn
-
-  return decorator
+  return _marked(_register(POLICY_LOSSES, "policy loss", name, params, POLICY_LOSS_PARAMS),
+                 ROW_LEVEL_POLICY_LOSSES if row_level else None, name)
 
 
 def register_kl_estimator(name: str) -> Callable[[F], F]:

@@ -196,8 +196,8 @@ class StaleSync:
 
   def _read(self, indices) -> tuple[Rollout, Rollout, dict, object]:
     """The admitted samples, sorted by sample id: (host Rollout, device Rollout on the training mesh, their
-    ``SCORE_FIELDS`` and ``advantage`` (where the queue has them) read from the queue in the same order, empty
-    for a queue without them).
+    sample fields the stages wrote (``SCORE_FIELDS``, ``rm_score``, ``advantage``: those the queue has) read
+    from the queue in the same order, empty for a queue without them).
 
     The device batch is built by ``queue_arrays``: one queue read per data-parallel group of this
     process's devices, each group's rows padded from their packed form on their own (no padded copy of
