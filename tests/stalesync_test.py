@@ -149,23 +149,41 @@ class Crash(Exception):
   pass
 
 
-def test_crash_mid_run_resumes_the_queue_and_in_flight_samples(tmp_path, monkeypatch, stale_run):
+@pytest.mark.parametrize("mode", ["colocated", "hybrid"])
+def test_crash_mid_run_resumes_the_queue_and_in_flight_samples(tmp_path, monkeypatch, stale_run, mode):
+  # hybrid: the checkpointed queue also holds the waiting samples' reference log-probs (ref_logp), fetched
+  # from the aux stage before the crash; the resumed run trains on them as the uninterrupted one does.
   workdir = str(tmp_path / "run")
   real = stalesync.StaleSync.step
+  over = {"fusion.mode": "hybrid", "fusion.aux_devices": 4, "algo.kl_coef": 0.05} if mode == "hybrid" else {}
+  uninterrupted = stale_run
+  if mode == "hybrid":
+    uninterrupted = str(tmp_path / "uninterrupted")
+    loop.run(stale(1, 0.5, **over), uninterrupted)
 
   def crashing(self, state, ref, step, timeline):
     if step == 3:
       raise Crash()
     return real(self, state, ref, step, timeline)
 
-  cfg = stale(1, 0.5, **{"run.checkpoint_every": 2})
+  resumed = []
+
+  def recording(self, state, ref, step, timeline):
+    if not resumed:     # the queue as the checkpoint after step 2 restored it
+      resumed.append(len(self.queue.ready(stalesync.CONSUMER)))
+    return real(self, state, ref, step, timeline)
+
+  cfg = stale(1, 0.5, **{"run.checkpoint_every": 2, **over})
   monkeypatch.setattr(stalesync.StaleSync, "step", crashing)
   with pytest.raises(Crash):
     loop.run(cfg, workdir)
-  monkeypatch.setattr(stalesync.StaleSync, "step", real)
+  monkeypatch.setattr(stalesync.StaleSync, "step", recording)
   loop.run(cfg, workdir)
+  # Waiting samples came back from the checkpoint, ready for the trainer: every field it needs (hybrid:
+  # ref_logp too) restored.
+  assert resumed[0] > 0
   assert [r["step"] for r in rows(workdir)] == [1, 2, 3, 4, 5]
-  assert_equal_rows(rows(workdir), rows(stale_run),
+  assert_equal_rows(rows(workdir), rows(uninterrupted),
                     KEYS + ("stalesync/staleness_mean", "stalesync/generated_groups_total", "data_position"))
 
 
