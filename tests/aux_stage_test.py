@@ -139,6 +139,15 @@ def test_fetched_reference_holds_the_response_log_probs_as_the_queue_field(monke
     np.testing.assert_array_equal(row[:p], 0.0)
     np.testing.assert_allclose(row[p:], want[b, p:lengths[b]], rtol=1e-5, atol=1e-5)
   assert max(np.abs(r).max(initial=0) for r in rows) > 0.1
+  # A stage whose buffer holds fewer samples than the fetch: the same log-probs, fetched in parts.
+  small = _setup(capacity=64)[-1]
+  small.begin(params, None, 0)
+  small.submit(_part(batch, np.arange(0, 100)))          # more than it holds: the oldest are evicted
+  again, _, small_metrics = small.fetch(batch)
+  assert not small.slot_of and len(small.free) == 64
+  assert small_metrics["link_bytes/aux_to_host_padded"] == metrics["link_bytes/aux_to_host_padded"]
+  for a, b in zip(rows, again):     # scored in other chunks (other row layouts): equal to rounding
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_reward_model_scores_early_equal_the_batch_scored_at_once():

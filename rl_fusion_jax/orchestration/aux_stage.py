@@ -238,10 +238,16 @@ class AuxStage:
     bytes fetched (``link_bytes/aux_to_host``; ``..._padded``: the same samples as float32 rows of
     ``seq_len`` and a score each). Samples not scored yet are scored first. Of the log-probs
     only the responses' cross, laid end to end in blocks (``fetch_starts``: two program shapes). The
-    samples' buffer rows are released after: the queue holds their values now."""
+    samples' buffer rows are released after: the queue holds their values now. More samples than the
+    buffer holds are fetched in parts (scoring a part may evict a later part's entries, scored again)."""
+    n = len(np.asarray(rollout.sample_id_b))
+    if n > self.capacity:
+      parts = [self.fetch(jax.tree.map(lambda x, a=a: np.asarray(x)[a:a + self.capacity], rollout))
+               for a in range(0, n, self.capacity)]
+      rows = None if not self.reference else [r for part in parts for r in part[0]]
+      scores = None if not self.reward else np.concatenate([part[1] for part in parts])
+      return rows, scores, {k: float(sum(part[2][k] for part in parts)) for k in parts[0][2]}
     ids = [int(s) for s in np.asarray(rollout.sample_id_b)]
-    if len(ids) > self.capacity:
-      raise ValueError(f"aux stage: {len(ids)} samples to fetch; the buffer holds {self.capacity}")
     missing = np.asarray([i for i, s in enumerate(ids) if s not in self.slot_of])
     if len(missing):
       self._score(rollout, missing, keep=frozenset(ids))
