@@ -37,7 +37,10 @@ made before compiles were logged). The table's medians, ratios and "steady tok/s
 only; a row with no unmarked run keeps them all and is marked itself. "steady tok/s" also takes the
 excess of such 3x-median steps out of the window (the simulator is validated on that).
 The machine is recorded when a run is made (RUN/machine.json: CPU model, cores, load average before and
-after, the commit), never read from the machine that renders a report.
+after, the commit), never read from the machine that renders a report, and so are its CPU counters while
+the run is made (RUN/cpu.json, ``common.CpuMonitor``): each run's row gives the CPU seconds that other
+processes used and that the hypervisor stole inside its measured window (``interference_runs``).
+``--workload_steps`` measures a workload whose steps are short over more of them (e.g. arithmetic:192).
 
 --from_runs=results/runs/ablation.json: tabulate the runs a manifest lists (folders relative to it; the
 committed runs) without running anything: the table, the chart and the timelines from committed data.
@@ -67,6 +70,9 @@ _QUICK = flags.DEFINE_bool("quick", False, "Long-tail workload only, 1 repeat, 2
 _WORKLOADS = flags.DEFINE_list("workloads", ["longtail", "arithmetic"], "Workloads (see the docstring).")
 _VARIANTS = flags.DEFINE_list("variants", [], "Variants (default: all four).")
 _STEPS = flags.DEFINE_integer("steps", 8, "Measured steps per run.")
+_WORKLOAD_STEPS = flags.DEFINE_list("workload_steps", [], "Measured steps per run of a workload, overriding "
+                                    "--steps: WORKLOAD:STEPS entries (e.g. arithmetic:192, so that a workload "
+                                    "whose steps are short is measured over as many seconds as the others).")
 _WARM = flags.DEFINE_integer("warm_steps", 4, "Unmeasured steps first (compiles).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Runs per variant, interleaved across variants.")
 _WARMUP_HF = flags.DEFINE_string("warmup_hf", "", "The exported warm-up policy for the arithmetic workload "
@@ -212,11 +218,24 @@ def measure_run(workdir: str, warm: int, steps: int) -> dict:
   contaminated = out["compile_steps"] > 0 or (window_s or 0.0) > COMPILE_TOLERANCE * out["wall_s"]
   with open(os.path.join(workdir, "timeline.jsonl")) as f:
     made = json.loads(f.readline()).get("unix_time")
+  interference = window_interference(workdir, lo, hi)
   return out | {"compile_window_s": window_s, "compile_contaminated": contaminated, "machine": machine,
-                "made_unix_time": made}
+                "made_unix_time": made, "interference": interference}
 
 
-PER_RUN = ("compile_window_s", "compile_contaminated", "machine", "made_unix_time")
+PER_RUN = ("compile_window_s", "compile_contaminated", "machine", "made_unix_time", "interference")
+
+
+def window_interference(workdir: str, lo: float, hi: float) -> dict | None:
+  """``common.cpu_interference`` over the measured window [lo, hi] (timeline seconds) from RUN/cpu.json;
+  None for a run made without it."""
+  path = os.path.join(workdir, "cpu.json")
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    cpu = json.load(f)
+  offset = timeline_unix_offset(workdir)
+  return common.cpu_interference(cpu["rows"], cpu["cores"], offset + lo, offset + hi)
 
 
 def combine(runs: list[dict]) -> dict:
@@ -234,6 +253,7 @@ def combine(runs: list[dict]) -> dict:
   out["compile_steps_runs"] = [r["compile_steps"] for r in runs]
   out["compile_window_s_runs"] = [r["compile_window_s"] for r in runs]
   out["contaminated_runs"] = [r["compile_contaminated"] for r in runs]
+  out["interference_runs"] = [r.get("interference") for r in runs]
   out["runs_used"], out["all_contaminated"] = len(used), not clean
   return out
 
@@ -296,6 +316,12 @@ def bar_chart(rows: dict, out: str) -> None:
   plt.close(fig)
 
 
+def steps_of(manifest: dict, workload: str) -> int:
+  """The measured steps per run of ``workload`` in an ablation manifest ("steps": a count, or per workload)."""
+  steps = manifest["steps"]
+  return steps[workload] if isinstance(steps, dict) else steps
+
+
 def _from_manifest(path: str) -> dict:
   """The runs a manifest lists (folders relative to it), with its settings and what it says of them."""
   with open(path) as f:
@@ -309,14 +335,15 @@ def _from_manifest(path: str) -> dict:
 def main(argv):
   del argv
   root = os.path.abspath(_WORKDIR.value)
-  os.makedirs(os.path.join(root, "runs"), exist_ok=True)
   t0 = time.perf_counter()
   if _FROM_RUNS.value:
     manifest = _from_manifest(_FROM_RUNS.value)
-    warm, steps, repeats = manifest["warm_steps"], manifest["steps"], manifest["repeats"]
+    os.makedirs(root, exist_ok=True)
+    warm, repeats = manifest["warm_steps"], manifest["repeats"]
     workdirs = manifest["workdirs"]
     workloads, variants = list(workdirs), list(next(iter(workdirs.values())))
-    runs = {w: {v: [measure_run(d, warm, steps) for d in workdirs[w][v]] for v in variants} for w in workloads}
+    steps = {w: steps_of(manifest, w) for w in workloads}
+    runs = {w: {v: [measure_run(d, warm, steps[w]) for d in workdirs[w][v]] for v in variants} for w in workloads}
     command, runs_seconds = manifest.get("command"), manifest.get("runs_seconds")
   else:
     quick = _QUICK.value
@@ -325,9 +352,17 @@ def main(argv):
     unknown = [v for v in variants if v not in VARIANTS and v not in EXTRA_VARIANTS]
     if unknown:
       raise app.UsageError(f"--variants: unknown {unknown}; known: {list(VARIANTS) + list(EXTRA_VARIANTS)}")
-    warm, steps, repeats = (0, 2, 1) if quick else (_WARM.value, _STEPS.value, _REPEATS.value)
+    warm, repeats = (0, 1) if quick else (_WARM.value, _REPEATS.value)
     for w in workloads:
       workload_flags(w, "")          # unknown names fail before anything runs
+    steps = {w: 2 if quick else _STEPS.value for w in workloads}
+    for entry in _WORKLOAD_STEPS.value:
+      name, _, count = entry.partition(":")
+      if name not in workloads or not count.isdigit() or int(count) < 1:
+        raise app.UsageError(f"--workload_steps: {entry!r} is not WORKLOAD:STEPS with a workload of this run "
+                             f"({', '.join(workloads)}) and a positive step count")
+      steps[name] = int(count)
+    os.makedirs(os.path.join(root, "runs"), exist_ok=True)    # the flags checked: nothing written before
     warmup_hf = ""
     if "arithmetic" in workloads:
       warmup_hf = _WARMUP_HF.value or common.exported_warmup(root, 2500, _CACHE.value)
@@ -340,8 +375,8 @@ def main(argv):
           workdir = os.path.join(root, "runs", f"r{rep}_{w}_{v}")
           if not os.path.isfile(os.path.join(workdir, "summary.json")):
             print(f"repeat {rep + 1}/{repeats}: {w} {v} -> {workdir}", flush=True)
-            run_variant(w, v, workdir, warmup_hf, warm, steps)
-          runs[w][v].append(measure_run(workdir, warm, steps))
+            run_variant(w, v, workdir, warmup_hf, warm, steps[w])
+          runs[w][v].append(measure_run(workdir, warm, steps[w]))
           workdirs[w].setdefault(v, []).append(workdir)
     command = " ".join(["python experiments/ablation_main.py"] + sys.argv[1:])
     runs_seconds = sum(common.run_wall_seconds(d + ".log") for by in workdirs.values()
@@ -354,13 +389,15 @@ def main(argv):
   bar_chart(rows, os.path.join(root, "table1.png"))
   for w in workloads:
     for v in variants:
-      common.run_binary("plot_timeline.py", [f"--workdir={workdirs[w][v][-1]}", f"--steps={warm}:{warm + steps}",
+      common.run_binary("plot_timeline.py", [f"--workdir={workdirs[w][v][-1]}", f"--steps={warm}:{warm + steps[w]}",
                                              f"--out={os.path.join(root, f'timeline_{w}_{v}.png')}"],
                         os.path.join(root, f"timeline_{w}_{v}.log"))
   per_run = [r for by in runs.values() for rs in by.values() for r in rs]
   made = [r["made_unix_time"] for r in per_run if r["made_unix_time"]]
   with open(os.path.join(root, "ablation.json"), "w") as f:
-    json.dump({"warm_steps": warm, "steps": steps, "repeats": repeats, "rows": rows, "workdirs": workdirs,
+    # "steps": one count for every workload, or workload -> count where they differ.
+    json.dump({"warm_steps": warm, "steps": steps if len(set(steps.values())) > 1 else next(iter(steps.values())),
+               "repeats": repeats, "rows": rows, "workdirs": workdirs,
                "baseline": BASELINE, "seconds": time.perf_counter() - t0, "runs_seconds": runs_seconds,
                "command": command, "from_runs": _FROM_RUNS.value or None,
                # Recorded when each run was made (None where it was not), not read from this machine.

@@ -150,21 +150,112 @@ def summary_line(summary: dict) -> str:
   return "  ".join(parts)
 
 
-def run_binary(binary: str, args: list[str], log_path: str, env: dict[str, str] | None = None) -> float:
+def run_binary(binary: str, args: list[str], log_path: str, env: dict[str, str] | None = None,
+               cpu_samples: list | None = None) -> float:
   """Runs ``experiments/<binary>`` in a fresh process with ``args`` (its output to ``log_path``; ``env``:
   variables added to this process's environment); returns its wall seconds; raises RuntimeError with the
-  log's tail when it fails."""
+  log's tail when it fails. ``cpu_samples``: a list that receives ``CpuMonitor``'s rows of the run."""
   import subprocess  # pylint: disable=g-import-not-at-top
   import time  # pylint: disable=g-import-not-at-top
   cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), binary)] + list(args)
   t0 = time.perf_counter()
   with open(log_path, "w") as log:
-    done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False,
-                          env={**os.environ, **env} if env else None)
-  if done.returncode:
+    child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env} if env else None)
+    monitor = CpuMonitor(child.pid) if cpu_samples is not None else None
+    returncode = child.wait()
+    if monitor is not None:
+      cpu_samples.extend(monitor.stop())
+  if returncode:
     with open(log_path) as log:
-      raise RuntimeError(f"{' '.join(cmd)} failed (status {done.returncode}):\n{log.read()[-3000:]}")
+      raise RuntimeError(f"{' '.join(cmd)} failed (status {returncode}):\n{log.read()[-3000:]}")
   return time.perf_counter() - t0
+
+
+class CpuMonitor:
+  """Samples, every ``period`` seconds from a thread, what the machine's CPUs did while a run was made
+  (Linux ``/proc``; nothing elsewhere): rows of [unix time, busy seconds of all CPUs (user, nice, system,
+  irq, softirq), steal seconds (time the hypervisor ran something else on this machine's virtual CPUs),
+  CPU seconds of the run's process tree (``pid`` and its descendants, with the children they reaped)].
+  Differences between rows give the CPU that other processes used and the steal over any window
+  (``cpu_interference``)."""
+
+  def __init__(self, pid: int, period: float = 0.25):
+    import threading  # pylint: disable=g-import-not-at-top
+    self._pid, self._period, self._rows = pid, period, []
+    self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    self._done = threading.Event()
+    self._thread = threading.Thread(target=self._loop, daemon=True)
+    if os.path.isfile("/proc/stat"):
+      self._thread.start()
+
+  def _tree_ticks(self) -> int | None:
+    stats = {}
+    for entry in os.listdir("/proc"):
+      if entry.isdigit():
+        try:
+          with open(f"/proc/{entry}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+          continue   # exited between the listing and the read
+        # After the command name: state, ppid (field 4 of proc(5)), ..., utime, stime, cutime, cstime (14-17).
+        stats[int(entry)] = (int(fields[1]), sum(int(x) for x in fields[11:15]))
+    if self._pid not in stats:
+      return None   # the run has exited and been reaped
+    tree, frontier = {self._pid}, [self._pid]
+    while frontier:
+      parent = frontier.pop()
+      for pid, (ppid, _) in stats.items():
+        if ppid == parent and pid not in tree:
+          tree.add(pid)
+          frontier.append(pid)
+    return sum(stats[p][1] for p in tree if p in stats)
+
+  def sample(self) -> list[float] | None:
+    """One row, or None once the run has exited."""
+    import time  # pylint: disable=g-import-not-at-top
+    now = time.time()
+    with open("/proc/stat") as f:
+      cpu = [int(x) for x in f.readline().split()[1:]]
+    busy = cpu[0] + cpu[1] + cpu[2] + cpu[5] + cpu[6]
+    steal = cpu[7] if len(cpu) > 7 else 0
+    tree = self._tree_ticks()
+    if tree is None:
+      return None
+    return [round(now, 3), busy / self._tick, steal / self._tick, tree / self._tick]
+
+  def _loop(self) -> None:
+    while not self._done.is_set():
+      try:
+        row = self.sample()
+      except OSError:
+        return
+      if row is None:
+        return
+      self._rows.append(row)
+      self._done.wait(self._period)
+
+  def stop(self) -> list[list[float]]:
+    if self._thread.is_alive():
+      self._done.set()
+      self._thread.join()
+    return self._rows
+
+
+def cpu_interference(rows: list[list[float]], cores: int, lo: float, hi: float) -> dict | None:
+  """From ``CpuMonitor`` rows, over the samples that bracket the unix-time window [lo, hi]: CPU seconds
+  used by processes outside the run (``other_cpu_s``), steal seconds (``steal_s``), both also as a share
+  of the window's CPU seconds (``cores`` x its length, ``other_share``, ``steal_share``). None when the
+  rows do not cover the window (not recorded, or a window shorter than the sampling period)."""
+  before = [r for r in rows if r[0] <= lo]
+  after = [r for r in rows if r[0] >= hi]
+  if not before or not after:
+    return None
+  a, b = before[-1], after[0]
+  span = b[0] - a[0]
+  other = max(0.0, (b[1] - a[1]) - (b[3] - a[3]))
+  steal = max(0.0, b[2] - a[2])
+  return {"other_cpu_s": round(other, 3), "steal_s": round(steal, 3), "span_s": round(span, 3),
+          "other_share": round(other / (cores * span), 4), "steal_share": round(steal / (cores * span), 4)}
 
 
 # --quick runs of the report's parts: the main job's model at one layer (a quarter of its depth) and half its
@@ -252,10 +343,14 @@ def machine_record() -> dict:
 def run_recorded(binary: str, args: list[str], workdir: str, env: dict[str, str] | None = None) -> float:
   """``run_binary`` of a run into ``workdir`` (log: ``workdir + '.log'``) that also writes
   WORKDIR/machine.json: ``machine_record()`` as the run starts, the load average as it ends and its
-  seconds. Returns the seconds."""
+  seconds; and WORKDIR/cpu.json: ``CpuMonitor``'s rows over the run (Linux). Returns the seconds."""
   import json  # pylint: disable=g-import-not-at-top
-  machine = machine_record()
-  seconds = run_binary(binary, args, workdir + ".log", env)
+  machine, cpu = machine_record(), []
+  seconds = run_binary(binary, args, workdir + ".log", env, cpu_samples=cpu)
+  if cpu:
+    with open(os.path.join(workdir, "cpu.json"), "w") as f:
+      json.dump({"columns": ["unix_time", "busy_s", "steal_s", "run_cpu_s"], "cores": os.cpu_count(),
+                 "rows": cpu}, f)
   with open(os.path.join(workdir, "machine.json"), "w") as f:
     json.dump(machine | {"load_avg_1m_after": round(os.getloadavg()[0], 2), "run_seconds": round(seconds, 1)},
               f, indent=1)

@@ -96,7 +96,7 @@ def _copy(src: str, figures: str, rel_base: str) -> str:
 
 KEPT_METRICS = ("step", "train_tokens", "train_s", "generate_s", "step_s", "response_len_mean",
                 "response_len_max", "truncated_frac")
-RUN_RECORDS = ("machine.json", "compiles.json")   # written by ablation_main.py next to each run
+RUN_RECORDS = ("machine.json", "compiles.json", "cpu.json")   # written by ablation_main.py next to each run
 
 
 def export_runs(ablation_json: str, dest: str) -> str:
@@ -115,7 +115,7 @@ def export_runs(ablation_json: str, dest: str) -> str:
         name = os.path.basename(d)
         out = os.path.join(dest, name)
         os.makedirs(out)
-        for kept in ("config.json", "timeline.jsonl") + RUN_RECORDS:
+        for kept in ("config.json", "timeline.jsonl", "timeline_train.jsonl") + RUN_RECORDS:
           if os.path.isfile(os.path.join(d, kept)):
             shutil.copyfile(os.path.join(d, kept), os.path.join(out, kept))
         with open(os.path.join(d, "metrics.jsonl")) as src, open(os.path.join(out, "metrics.jsonl"), "w") as dst:
@@ -133,6 +133,13 @@ def export_runs(ablation_json: str, dest: str) -> str:
 
 
 # ------------------------------------------------------------------------------- machines and dates
+
+
+def _steps_text(steps) -> str:
+  """An ablation manifest's measured steps: one count, or per workload."""
+  if isinstance(steps, dict):
+    return " / ".join(f"{n} ({w})" for w, n in steps.items())
+  return str(steps)
 
 
 def machines_line(records: list) -> str:
@@ -230,6 +237,23 @@ def compile_findings(rows: dict) -> list[str]:
     out.append("* Every run of these rows had a compile in its measured window, so their figures include it "
                f"(marked †; {how}): " + ", ".join(kept) + ".")
   return out
+
+
+def interference_findings(rows: dict) -> list[str]:
+  """What other processes and the hypervisor (steal) took of the machine's CPU inside the measured windows
+  (RUN/cpu.json, sampled while each run was made; nothing for runs made without it)."""
+  seen = [(f"{w} {v} repeat {i}", x) for w, by in rows.items() for v, r in by.items()
+          for i, x in enumerate(r.get("interference_runs") or []) if x is not None]
+  if not seen:
+    return []
+  share = lambda x: x["other_share"] + x["steal_share"]
+  name, worst = max(seen, key=lambda item: share(item[1]))
+  line = (f"* Other processes and steal inside the measured windows ({len(seen)} runs sampled): at most "
+          f"{share(worst):.1%} of the machine's CPU seconds ({name}: other processes {worst['other_share']:.1%}, "
+          f"steal {worst['steal_share']:.1%}).")
+  if share(worst) < 0.02:
+    line += " The spread between repeats is not load that this machine's own counters can see."
+  return [line]
 
 
 TABLE1_NOTE = (
@@ -812,7 +836,8 @@ def main(argv):
       "",
       "## Table 1, measured",
       "",
-      f"{ablation['warm_steps']} unmeasured + {ablation['steps']} measured steps per run, {ablation['repeats']} "
+      f"{ablation['warm_steps']} unmeasured + {_steps_text(ablation['steps'])} measured steps per run, "
+      f"{ablation['repeats']} "
       "interleaved repeat(s); trained tok/s over the window between update ends; `x baseline` is against "
       "`separated_sync` (the synchronous separated baseline, one process per side). Figures are medians over "
       "the runs whose measured window held no compile; † marks a run whose window held one (a measured step "
@@ -827,6 +852,7 @@ def main(argv):
       "",
       *table1_findings(ablation["rows"], ablation["baseline"]),
       *compile_findings(ablation["rows"]),
+      *interference_findings(ablation["rows"]),
       "* The reference system reports RL Fusion + StaleSync at x2.5 its separated baseline and x1.4 RL Fusion "
       "(accelerators at scale: not comparable with these CPU figures).",
       "",

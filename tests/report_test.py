@@ -173,6 +173,65 @@ out = {"rows": rows, "table": m.table(rows)}
   assert "1 / not logged (each run)" in table and "0 / 0.50 s" in table
 
 
+def test_cpu_interference_by_hand_and_the_monitor_counts_the_whole_process_tree():
+  # By hand: 2 cores; between the samples at t = 0 and t = 2 (those that bracket the window [0.5, 1.5])
+  # the CPUs were busy 3.0 s, 2.0 s of it the run's own processes, and 0.1 s was stolen: other processes
+  # 1.0 s, a quarter of the 4 CPU seconds; steal 2.5%. A window the samples do not bracket: None.
+  code = r"""
+rows = [[0.0, 10.0, 1.0, 0.0], [1.0, 11.5, 1.1, 1.0], [2.0, 13.0, 1.1, 2.0]]
+out = {"in": m.cpu_interference(rows, 2, 0.5, 1.5), "whole": m.cpu_interference(rows, 2, 0.0, 2.0),
+       "before": m.cpu_interference(rows, 2, -1.0, 1.0), "after": m.cpu_interference(rows, 2, 1.0, 2.5)}
+# A run whose process starts a child that burns CPU, waits for it, then burns CPU itself: the monitor's
+# last row holds both (the reaped child through the parent's cutime), and stops once the run has exited.
+import subprocess, sys, time
+burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\n"
+child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys\n"
+                          f"subprocess.run([sys.executable, '-c', {burn!r}])\n" + burn])
+monitor = m.CpuMonitor(child.pid, period=0.05)
+child.wait()
+time.sleep(0.2)
+rows = monitor.stop()
+out["run_cpu"] = rows[-1][3]
+out["times_ascend"] = all(a[0] < b[0] for a, b in zip(rows, rows[1:]))
+out["n"] = len(rows)
+"""
+  out = _call("common", code)
+  assert out["in"] == out["whole"] == {"other_cpu_s": 1.0, "steal_s": 0.1, "span_s": 2.0, "other_share": 0.25,
+                                       "steal_share": 0.025}
+  assert out["before"] is None and out["after"] is None
+  assert out["run_cpu"] >= 1.1 and out["times_ascend"] and out["n"] >= 3
+
+
+def test_steps_per_workload_in_the_manifest_and_a_bad_workload_steps_entry_is_refused(tmp_path):
+  # A manifest may give the measured steps per workload: the committed one (16 steps each) written that way
+  # loads the same windows as written with one count.
+  from rl_fusion_jax.sim import fit  # pylint: disable=g-import-not-at-top
+  committed = os.path.join(ROOT, "results", "runs", "ablation.json")
+  with open(committed) as f:
+    manifest = json.load(f)
+  assert manifest["steps"] == 16
+  here = os.path.dirname(committed)
+  manifest["steps"] = {w: 16 for w in manifest["workdirs"]}
+  manifest["workdirs"] = {w: {v: [os.path.join(here, d) for d in ds] for v, ds in by.items()}
+                          for w, by in manifest["workdirs"].items()}
+  per_workload = tmp_path / "ablation.json"
+  per_workload.write_text(json.dumps(manifest))
+  window = lambda runs: {w: [(v, i, r.window()) for v, i, r in rs] for w, rs in runs.items()}
+  assert window(fit.load_manifest(str(per_workload))) == window(fit.load_manifest(committed))
+  manifest["steps"]["arithmetic"] = 8     # fewer steps: an earlier end of the window
+  per_workload.write_text(json.dumps(manifest))
+  short, full = fit.load_manifest(str(per_workload)), fit.load_manifest(committed)
+  assert short["arithmetic"][0][2].window()[1] < full["arithmetic"][0][2].window()[1]
+  assert short["longtail"][0][2].window() == full["longtail"][0][2].window()
+  # --workload_steps names a workload of the run and a positive count, checked before anything runs.
+  for bad in ("countdown:8", "arithmetic:0", "arithmetic"):
+    done = subprocess.run([sys.executable, os.path.join(EXPERIMENTS, "ablation_main.py"),
+                           f"--workdir={tmp_path / 'w'}", f"--workload_steps={bad}"],
+                          capture_output=True, text=True, timeout=120, env=launch.child_env())
+    assert done.returncode == 1 and "--workload_steps" in done.stderr and repr(bad) in done.stderr, done.stderr[-2000:]
+  assert not (tmp_path / "w").exists()
+
+
 def test_compile_events_are_placed_on_the_run_timeline(tmp_path):
   # A colocated run: its timeline starts at the session's unix time. A separated run: the merged timeline
   # starts at the earlier side's first phase; the training side's own timeline is aligned on the last update.

@@ -306,13 +306,15 @@ def _check(c: Check) -> dict:
 
 def load_manifest(path: str) -> dict[str, list[tuple[str, int, measure.MeasuredRun]]]:
   """workload -> (variant, repeat, run) of every run an ablation manifest lists (run folders relative to
-  the manifest's own folder), each with the manifest's warm and measured steps."""
+  the manifest's own folder), each with the manifest's warm and measured steps (of its workload)."""
   with open(path) as f:
     ablation = json.load(f)
-  warm, steps = ablation["warm_steps"], ablation["steps"]
+  warm, steps = ablation["warm_steps"], ablation["steps"]   # steps: a count, or workload -> count
   here = os.path.dirname(os.path.abspath(path))
-  return {workload: [(v, i, measure.load(os.path.join(here, d), warm, steps)) for v, dirs in by_variant.items()
-                     for i, d in enumerate(dirs)] for workload, by_variant in ablation["workdirs"].items()}
+  count = lambda workload: steps[workload] if isinstance(steps, dict) else steps
+  return {workload: [(v, i, measure.load(os.path.join(here, d), warm, count(workload)))
+                     for v, dirs in by_variant.items() for i, d in enumerate(dirs)]
+          for workload, by_variant in ablation["workdirs"].items()}
 
 
 def validate_manifest(path: str, sharing: Sharing = MEASURED_MACHINE) -> dict:
