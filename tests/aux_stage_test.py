@@ -23,6 +23,7 @@ from rl_fusion_jax.train import packed_step, packing
 from rl_fusion_jax.types import Rollout
 
 SEQ_LEN = 24
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"   # one per jit cache miss
 
 
 def _setup(capacity: int):
@@ -84,6 +85,54 @@ def test_chunks_scored_early_equal_the_batch_scored_at_once(packed):
     inside = np.arange(SEQ_LEN)[None] < lengths[:, None]
     np.testing.assert_allclose(got, layout.unpack(want_rw, SEQ_LEN) * inside, rtol=1e-5, atol=1e-5)
   assert np.abs(want_rw).max() > 0.1
+
+
+def test_every_call_has_one_shape_and_reused_rows_read_back_only_their_sample():
+  # Chunks of 1, 9 and 54 samples (the last over several blocks of block_rows rows): the stage's programs
+  # compile on the first chunk only. Then a second batch of shorter samples takes the same buffer rows:
+  # read back as padded rows they are the reference's log-probs up to each sample's length and 0 after,
+  # nothing of the longer samples that held the rows before.
+  cfg, mesh, params, fn, stage = _setup(capacity=64)
+  vocab = cfg.model.config.vocab_size
+  batch = _samples(64, vocab, seed=5)
+  traced = []
+  listener = lambda event, duration, **kw: traced.append(kw.get("fun_name")) if event == TRACE_EVENT else None
+  stage.begin(params, None, 0)
+  stage.submit(_part(batch, np.arange(0, 1)))
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    stage.submit(_part(batch, np.arange(1, 10)))
+    stage.submit(_part(batch, np.arange(10, 64)))
+    jax.block_until_ready(stage.buffer)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert traced == [] and stage.scored == 64
+  lengths = batch.prompt_len_b + batch.response_len_b
+  assert packing.first_fit_decreasing(lengths[10:], SEQ_LEN)[2] > 2 * stage.block_rows
+  got, _, _ = stage.take(batch, None, SEQ_LEN)
+  want = _reference_padded(mesh, params, fn, batch)
+  np.testing.assert_allclose(np.asarray(jax.device_get(got)), want, rtol=1e-5, atol=1e-5)
+  short = _samples(64, vocab, seed=6)
+  short = short.replace(response_len_b=np.minimum(short.response_len_b, 2),
+                        sample_id_b=np.arange(300, 364, dtype=np.int32))
+  inside = np.arange(SEQ_LEN)[None] < (short.prompt_len_b + short.response_len_b)[:, None]
+  short = short.replace(tokens_bt=np.where(inside, short.tokens_bt, 0))
+  stage.submit(short)
+  got, _, _ = stage.take(short, None, SEQ_LEN)
+  np.testing.assert_allclose(np.asarray(jax.device_get(got)), _reference_padded(mesh, params, fn, short),
+                             rtol=1e-5, atol=1e-5)
+
+
+def _reference_padded(mesh, params, fn, batch: Rollout) -> np.ndarray:
+  """The reference's log-probs of the whole batch at once, as padded rows (0 from each sample's length)."""
+  lengths = batch.prompt_len_b + batch.response_len_b
+  layout = packing.plan(lengths, SEQ_LEN, packing.row_buckets(len(lengths), 2, per_doubling=2), groups=2)
+  rows, _ = packed_step.place_rows(mesh, layout, tokens_bt=batch.tokens_bt, behaviour_logp_bt=batch.logp_bt,
+                                   version_bt=batch.version_bt, prompt_len_b=batch.prompt_len_b, vocab_size=128)
+  positions, segments, _, _ = packed_step.make_row_layout(mesh)(rows)
+  want_rw = np.asarray(fn(params, rows.tokens_rw, positions, segments))
+  inside = np.arange(SEQ_LEN)[None] < lengths[:, None]
+  return layout.unpack(want_rw, SEQ_LEN) * inside
 
 
 def test_evicted_and_unscored_samples_are_scored_when_asked_for():

@@ -15,8 +15,11 @@ padded rows) and another the batch's scores, on the aux mesh. Under StaleSync (`
 ``rm_score`` fields: the responses' log-probs laid end to end in blocks of ``FETCH_BLOCKS`` values, and
 the scores.
 
-Every shape is bucketed: a chunk's samples pad to a power of two (zero-length samples take no row), its
-rows to the chunk row buckets, so the stage compiles a few programs, none per chunk. The buffers hold
+Every call has one shape: a chunk's samples are packed first-fit into rows of ``seq_len`` and scored
+``block_rows`` rows at a time (``BLOCK_ROWS_PER_SHARD`` per batch shard of the aux mesh, the last block's
+spare rows empty), each block's samples padded to the most its rows can hold (zero-length samples take no
+row), its token stream crossing as pages into one buffer (``packed_step.StreamPages``). So the stage
+compiles each of its programs once, on its first call, whatever a chunk finished. The buffers hold
 ``capacity`` samples; when they are full the oldest entries are evicted (scored again if asked for), so a
 result never depends on what was kept. Samples that will never be trained (StaleSync's stale groups)
 are released by ``forget``.
@@ -25,8 +28,9 @@ Active in ``fusion.mode=hybrid`` with a reference model or a reward model, in on
 the engine reports the same finished samples in the same order on every process (its host state is
 replicated), so every process dispatches the stage's programs in the same order, as SPMD programs need.
 Host values reach the aux devices by ``distributed.put`` (each process fills its own devices, no hidden
-collective). The stage blocks on its buffers every ``BLOCK_EVERY`` chunks it scores: XLA:CPU deadlocked with more than
-about 32 multi-device programs in flight (DESIGN.md), and each chunk dispatches about five.
+collective). The stage blocks on its buffers every ``BLOCK_EVERY`` calls: XLA:CPU deadlocked with more than
+about 32 multi-device programs in flight (DESIGN.md), and each call dispatches up to about ten (a write
+per stream page, the rows, their layout, each model and its scatter).
 """
 from __future__ import annotations
 
@@ -44,7 +48,11 @@ from rl_fusion_jax.timeline import Timeline
 from rl_fusion_jax.train import packed_step, packing
 from rl_fusion_jax.types import Rollout
 
-BLOCK_EVERY = 4
+BLOCK_EVERY = 2
+# A call of the stage scores this many packed rows per batch shard of the aux mesh (``AuxStage.block_rows``),
+# its stream crossing in at most this many pages (``packed_step.StreamPages``).
+BLOCK_ROWS_PER_SHARD = 4
+STREAM_PAGES = 4
 # Values a call of the reference log-probs' fetch (``AuxStage.fetch``) returns: large blocks while the rest
 # fills one, then small ones, so a fetch is at most one small block longer than the log-probs it holds
 # (two program shapes).
@@ -60,13 +68,11 @@ def fetch_starts(total: int) -> list[tuple[int, int]]:
 
 def _scatter(buffer_ct, logp_rw, row_k, start_k, length_k, dest_k):
   """Sample k's log-probs (packed at ``row_k`` / ``start_k``, ``length_k`` tokens) into ``buffer_ct[dest_k]``
-  (positions 0 .. length - 1; the rest of the row 0). ``dest_k`` = capacity drops the sample."""
-  width = buffer_ct.shape[1]
-  t = jnp.arange(width, dtype=jnp.int32)
-  inside_kt = t[None, :] < length_k[:, None]
-  col_kt = jnp.clip(start_k[:, None] + t[None, :], 0, logp_rw.shape[1] - 1)
-  values_kt = jnp.where(inside_kt, logp_rw[jnp.maximum(row_k, 0)[:, None], col_kt], 0.0)
-  return buffer_ct.at[dest_k].set(values_kt, mode="drop")
+  at positions 0 .. length - 1, position by position of the packed rows (the rest of the buffer row keeps
+  what it held: readers stop at the sample's length). ``dest_k`` = capacity drops the sample."""
+  k_rw, pos_rw, inside = packed_step.covering(*logp_rw.shape, row_k, start_k, length_k)
+  target_rw = jnp.where(inside, dest_k[k_rw], buffer_ct.shape[0])
+  return buffer_ct.at[target_rw, jnp.clip(pos_rw, 0, buffer_ct.shape[1] - 1)].set(logp_rw, mode="drop")
 
 
 def _scatter_scores(scores_c, score_k, dest_k):
@@ -90,8 +96,10 @@ def _gather_packed(buffer_ct, slot_b, row_b, start_b, length_b, *, num_rows: int
   return jnp.where(inside, buffer_ct[slot_b[k_rw], jnp.clip(pos_rw, 0, buffer_ct.shape[1] - 1)], 0.0)
 
 
-def _gather_padded(buffer_ct, slot_b, *, width: int):
-  return buffer_ct[slot_b, :width]
+def _gather_padded(buffer_ct, slot_b, length_b, *, width: int):
+  """The buffer rows of samples ``slot_b`` as padded rows [B, width], 0 from each sample's length on."""
+  inside = jnp.arange(width, dtype=jnp.int32)[None, :] < length_b[:, None]
+  return jnp.where(inside, buffer_ct[slot_b, :width], 0.0)
 
 
 class AuxStage:
@@ -118,6 +126,13 @@ class AuxStage:
     self._scatter_scores = shared_programs.jit(_scatter_scores, out_shardings=rep, donate_argnums=(0,))
     self._take_flat = {size: shared_programs.jit(functools.partial(_take_flat, size=size), out_shardings=rep)
                        for size in FETCH_BLOCKS}
+    # Every call scores one block of ``block_rows`` packed rows holding up to ``block_samples`` samples (a
+    # real sample has a prompt token and a response token at least), its stream crossing as pages into one
+    # buffer: one shape for each of the stage's programs, whatever a chunk finished.
+    self.block_rows = BLOCK_ROWS_PER_SHARD * self.shards
+    self.block_samples = self.block_rows * (self.seq_len // 2)
+    self.pages = packed_step.StreamPages(self.mesh, self.block_rows, self.seq_len,
+                                         packing.value_bytes(self.vocab_size), max_pages=STREAM_PAGES)
     self.buffer = distributed.put(np.zeros((capacity, self.seq_len), np.float32), rep) if reference else None
     self.scores = distributed.put(np.zeros((capacity,), np.float32), rep) if reward else None
     self.slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()   # sample id -> row, oldest first
@@ -146,40 +161,74 @@ class AuxStage:
 
   def _score(self, rollout: Rollout, rows, keep=frozenset()) -> None:
     """Scores samples ``rows`` of ``rollout`` into buffer rows (evicting the oldest entries not in ``keep``
-    when the buffer is full)."""
-    k = len(rows)
-    kmax = max(self.shards, 1 << max(0, (k - 1).bit_length()))
+    when the buffer is full): packed first-fit into rows of ``seq_len``, then scored ``block_rows`` rows
+    at a time."""
+    rows = np.asarray(rows)
+    prompt = np.asarray(rollout.prompt_len_b, np.int64)[rows]
+    lengths = prompt + np.asarray(rollout.response_len_b, np.int64)[rows]
+    row_k, start_k, used = packing.first_fit_decreasing(lengths, self.seq_len)
+    dest = np.asarray([self._slot(int(rollout.sample_id_b[i]), keep) for i in rows], np.int32)
+    # Blocks of consecutive rows: at most block_rows rows and block_samples samples each (a row holds at
+    # most seq_len // 2 samples of two tokens or more; shorter ones are cut out alone).
+    per_row = np.bincount(row_k[row_k >= 0], minlength=used)
+    first = 0
+    while first < used:
+      last, count = first, 0
+      while last < used and last - first < self.block_rows and count + per_row[last] <= self.block_samples:
+        count += per_row[last]
+        last += 1
+      last = max(last, first + 1)
+      mine = np.flatnonzero((row_k >= first) & (row_k < last))
+      self._score_block(rollout, rows[mine], row_k[mine] - first, start_k[mine], dest[mine])
+      first = last
+    self.scored += len(rows)
+
+  def _score_block(self, rollout: Rollout, rows, row_k, start_k, dest_k) -> None:
+    """One call: samples ``rows`` of ``rollout`` at rows ``row_k`` (< ``block_rows``) / ``start_k`` of the
+    block, into buffer rows ``dest_k``; padded to ``block_samples`` samples of length 0."""
+    k, kmax, num_rows = len(rows), self.block_samples, self.block_rows
+    if k > kmax:
+      raise ValueError(f"aux stage: {k} samples in {num_rows} rows of {self.seq_len}; at most {kmax} fit")
     pad = lambda x, fill=0: np.concatenate([np.asarray(x)[rows], np.full((kmax - k,) + np.shape(x)[1:], fill,
                                                                           np.asarray(x).dtype)])
     prompt = pad(rollout.prompt_len_b)
     lengths = prompt + pad(rollout.response_len_b)          # padding samples: length 0, no row
-    buckets = packing.row_buckets(kmax, self.shards, per_doubling=2)
-    layout = packing.plan(lengths, self.seq_len, buckets, groups=self.shards)
-    placed, _ = packed_step.place_rows(self.mesh, layout, tokens_bt=pad(rollout.tokens_bt),
-                                       behaviour_logp_bt=pad(rollout.logp_bt), version_bt=pad(rollout.version_bt, -1),
-                                       prompt_len_b=prompt, vocab_size=self.vocab_size, max_version_span=self.max_span)
+    # The block's rows dealt over the batch shards as ``packing.plan`` deals them.
+    per_group = num_rows // self.shards
+    row_b = np.full((kmax,), -1, np.int64)
+    row_b[:k] = (row_k % self.shards) * per_group + row_k // self.shards
+    start_b = np.zeros((kmax,), np.int64)
+    start_b[:k] = start_k
+    layout = packing.Layout(row_b, start_b, np.asarray(lengths, np.int64), num_rows, self.seq_len,
+                            int(row_k.max(initial=-1)) + 1)
+    # The models read the tokens only: the log-probs and versions cross as zeros (one stream format).
+    tokens = pad(rollout.tokens_bt)
+    zeros = np.zeros(tokens.shape, np.float32)
+    placed, _ = packed_step.place_rows(self.mesh, layout, tokens_bt=tokens, behaviour_logp_bt=zeros,
+                                       version_bt=zeros.astype(np.int32), prompt_len_b=prompt,
+                                       vocab_size=self.vocab_size, max_version_span=0, pages=self.pages)
     start = self.timeline.now() if self.timeline is not None else 0.0
     positions, segments, _, _ = self.row_layout(placed)
     dest = np.full((kmax,), self.capacity, np.int32)
-    for j, i in enumerate(rows):
-      dest[j] = self._slot(int(rollout.sample_id_b[i]), keep)
+    dest[:k] = dest_k
     dest = distributed.put(dest, self._rep)
+    outputs = []      # the models' results (the buffers are donated to the next call's scatter)
     if self.reference:
       logp_rw = self.logprobs(self.params, placed.tokens_rw, positions, segments)
       self.buffer = self._scatter(self.buffer, logp_rw, placed.row_b, placed.start_b, placed.length_b, dest)
+      outputs.append(logp_rw)
     if self.reward:
       score_k = self.score_fn(self.rm_params, placed.tokens_rw, positions, segments, placed.row_b,
                               placed.start_b, placed.length_b)
       self.scores = self._scatter_scores(self.scores, score_k, dest)
-    self.scored += k
+      outputs.append(score_k)
     self._dispatched += 1
     if self._dispatched % BLOCK_EVERY == 0:
       jax.block_until_ready((self.buffer, self.scores))
     if self.timeline is not None:
       timeline, step, group = self.timeline, self.step, self.group
       names = [n for n, on in (("reference", self.reference), ("reward_model", self.reward)) if on]
-      done = self._waiter.submit(lambda out: (jax.block_until_ready(out), timeline.now())[1],
-                                 (self.buffer, self.scores))
+      done = self._waiter.submit(lambda out: (jax.block_until_ready(out), timeline.now())[1], outputs)
       done.add_done_callback(lambda f: [timeline.record(n, start, f.result(), group=group, step=step)
                                         for n in names])
 
@@ -220,7 +269,8 @@ class AuxStage:
     slot_b = distributed.put(np.asarray([self.slot_of[s] for s in ids], np.int32), self._rep)
     ref = scores = None
     if reference and layout is None:
-      ref = _padded_fn(self.mesh, width)(self.buffer, slot_b)
+      length_b = np.asarray(rollout.prompt_len_b, np.int32) + np.asarray(rollout.response_len_b, np.int32)
+      ref = _padded_fn(self.mesh, width)(self.buffer, slot_b, distributed.put(length_b, self._rep))
     elif reference:
       per_sample = distributed.put(tuple(np.asarray(x, np.int32) for x in (layout.row_b, layout.start_b,
                                                                          layout.length_b)), self._rep)
