@@ -241,6 +241,10 @@ class RolloutConfig:
   # Samples carried into the next rollout phase keep their KV cache (computed under the weights they
   # were sampled with) instead of having their prefix recomputed; the cache is then held through training.
   keep_cache: bool = False
+  # Refills inside a decode chunk prefill at the narrowest width that holds their prompts instead of the
+  # prompt width: less prefill for short prompts, one more forward per width to compile in the chunk
+  # (rollout/slots.refill_widths).
+  narrow_refills: bool = False
   # Benchmarks only: > 0 forces each training sample's response length (EOS ignored) to a clipped
   # log-normal draw with this median and sigma, seeded by (run.seed, sample id); 0 disables.
   forced_length_median: int = 0
@@ -256,6 +260,8 @@ class RolloutConfig:
     _require(self.temperature >= 0, "rollout.temperature", f"must be >= 0, got {self.temperature}")
     _require(self.top_k >= 0, "rollout.top_k", f"must be >= 0, got {self.top_k}")
     _require(0 < self.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {self.top_p}")
+    for name in ("keep_cache", "narrow_refills"):
+      _require(isinstance(getattr(self, name), bool), f"rollout.{name}", f"must be a bool, got {getattr(self, name)!r}")
     median, sigma = self.forced_length_median, self.forced_length_sigma
     _require(isinstance(median, int) and not isinstance(median, bool) and median >= 0,
              "rollout.forced_length_median", f"must be an int >= 0 (0: off), got {median!r}")

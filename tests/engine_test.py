@@ -182,17 +182,20 @@ def test_kv_heads_that_tensor_does_not_divide_fail_before_compiling():
     Engine(EngineConfig(GenerateSpec(cfg, SAMPLED, P, N, EOS), num_slots=8), mesh, shardings)
 
 
-def test_short_prompts_prefill_at_their_own_width():
-  # max_prompt_len 2P, prompts of at most P tokens: prefill runs at the narrowest width that holds them
-  # (8 here, not 2P), and the samples are those of the batch Generator at prompt width P.
+@pytest.mark.parametrize("narrow", [True, False])
+def test_short_prompts_prefill_at_their_own_width(narrow):
+  # max_prompt_len 2P, prompts of at most P tokens: with narrow_refills, refills prefill at the narrowest
+  # width that holds them (8 here, not 2P); by default at the prompt width 2P, the chunk program holding
+  # one forward. Either way the samples are those of the batch Generator at prompt width P.
   spec = GenerateSpec(CFG, SAMPLED, 2 * P, N, EOS)
   assert slots.prefill_widths(2 * P, 2 * P + N) == (8, 2 * P, 2 * P + N)
   mesh, shardings, params = setup()
-  engine = Engine(EngineConfig(spec, num_slots=8, chunk_steps=3), mesh, shardings)
+  engine = Engine(EngineConfig(spec, num_slots=8, chunk_steps=3, narrow_refills=narrow), mesh, shardings)
   out, results = run_all(engine, params, make_requests(*prompts()))
-  assert engine.programs.new_widths == (8, 2 * P)
+  width = 8 if narrow else 2 * P
+  assert engine.programs.new_widths == ((8, 2 * P) if narrow else (2 * P,))
   refills = sum(r.stats["refill_prefills"] for r in results)
-  assert refills and sum(r.stats["prefill_tokens"] for r in results) == refills * engine.rows * 8
+  assert refills and sum(r.stats["prefill_tokens"] for r in results) == refills * engine.rows * width
   ref = generator_reference(SAMPLED, EOS)
   assert not out["tokens_bt"][:, P + N:].any() and (out["version_bt"][:, P + N:] == -1).all()
   assert_same_as_generator({k: v[:, :P + N] if v.ndim == 2 else v for k, v in out.items()}, ref)
@@ -221,6 +224,16 @@ def test_a_group_shares_its_prompt_forward(shared):
   admitted = sum(r.stats["prefill_rows"] for r in results)
   assert admitted == B and refills == (3 if shared else 6)
   assert sum(r.stats["prefill_tokens"] for r in results) == refills * 4 * P   # 4 rows at width P
+
+
+def test_refill_widths_are_the_prompt_width_or_every_narrower_one_too():
+  widths = slots.prefill_widths(40, 200)
+  assert slots.refill_widths(widths, 40) == (40,)
+  assert slots.refill_widths(widths, 40, narrow=True) == (8, 16, 32, 40)
+  # A prompt holds its last token back: 33 tokens prefill 32 positions.
+  assert slots.refill_widths(slots.prefill_widths(33, 64), 33) == (32,)
+  with pytest.raises(ValueError, match="narrow_refills"):
+    EngineConfig(GenerateSpec(CFG, SAMPLED, P, N, EOS), num_slots=8, narrow_refills="yes")
 
 
 def test_prefill_width_is_the_smallest_bucket_that_holds_the_prefix():

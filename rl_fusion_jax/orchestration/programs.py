@@ -113,7 +113,7 @@ class Programs:
     spec = GenerateSpec(model_cfg, sampling, r.max_prompt_len, r.max_new_tokens, setup.tokenizer.eos_id)
     engine_cfg = EngineConfig(spec=spec, num_slots=r.slots, chunk_steps=r.chunk_steps,
                               prefill_rows=r.prefill_rows, group_size=r.group_size, seed=cfg.run.seed,
-                              keep_cache=r.keep_cache)
+                              keep_cache=r.keep_cache, narrow_refills=r.narrow_refills)
     self.engine = Engine(engine_cfg, d.rollout_mesh, d.rollout_param_shardings, d.generate_rules)
     greedy = dataclasses.replace(spec, sampling=SamplingParams(0.0))
     self.eval_engine = Engine(dataclasses.replace(engine_cfg, spec=greedy, num_slots=_eval_slots(cfg),

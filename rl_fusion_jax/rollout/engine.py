@@ -88,6 +88,9 @@ class EngineConfig:
   seed: int = 0
   refill: str = "continuous"
   keep_cache: bool = False
+  # Refills prefill at the narrowest width that holds their prompts (one forward per width in the decode
+  # chunk's program) instead of the prompt width (one): ``slots.refill_widths``.
+  narrow_refills: bool = False
 
   def __post_init__(self):
     for name in ("num_slots", "chunk_steps", "group_size"):
@@ -101,6 +104,8 @@ class EngineConfig:
     if self.num_slots % self.group_size:
       raise ValueError(f"EngineConfig.group_size: {self.group_size} does not divide num_slots "
                        f"{self.num_slots}")
+    if not isinstance(self.narrow_refills, (bool, np.bool_)):
+      raise ValueError(f"EngineConfig.narrow_refills: must be a bool, got {self.narrow_refills!r}")
     if self.refill not in REFILL_POLICIES:
       raise ValueError(f"EngineConfig.refill: must be one of {REFILL_POLICIES}, got {self.refill!r}")
     if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool):
@@ -166,7 +171,7 @@ class Engine:
       raise ValueError(f"EngineConfig.prefill_rows: {rows} is not a multiple of the {shards} batch shards")
     self.cfg, self.rows = cfg, rows
     self.programs = slots.programs(cfg.spec, cfg.num_slots, rows, mesh, param_shardings, rules,
-                                   cfg.refill == "static", cfg.group_size)
+                                   cfg.refill == "static", cfg.group_size, bool(cfg.narrow_refills))
     self._rng = jax.random.key(cfg.seed)
     self._state = self.programs.empty()
     self._shards = shards

@@ -10,8 +10,9 @@ return them, so a refill never reallocates anything and shapes never change:
   that into the chosen slots' cache rows. W is one of a small fixed set of widths, one compile each.
 * ``run_chunk`` advances every active slot by at most ``steps`` tokens in one ``lax.while_loop``
   (``steps`` is a traced scalar, so one compile serves every chunk size), refilling free slots from an
-  uploaded slice of the queue inside the loop (a ``prefill`` of ``rows`` rows at the narrowest prompt
-  width, chosen at run time among the compiled ones), moving finished samples to an outbox, and
+  uploaded slice of the queue inside the loop (a ``prefill`` of ``rows`` rows at the prompt width, or with
+  ``narrow_refills`` at the narrowest prompt width that holds the admitted prompts, chosen at run time among
+  the compiled ones: one forward per width in the program), moving finished samples to an outbox, and
   ending once a target of complete groups or finished samples is met (``ChunkTarget``), when nothing
   is left, or when the upload is spent. Every token, the first included, is sampled in a decode step:
   prefill only fills the cache, so a sample's token t is always drawn from the logits of one decode
@@ -414,6 +415,15 @@ def prefill_widths(max_prompt_len: int, seq_len: int) -> tuple[int, ...]:
   return tuple(widths) + (seq_len,)
 
 
+def refill_widths(widths: tuple[int, ...], max_prompt_len: int, narrow: bool = False) -> tuple[int, ...]:
+  """The widths a chunk's refills prefill at: the one that holds every prompt but its last token, and with
+  ``narrow`` every narrower one too (the chunk program then holds one forward per width: on XLA:CPU a
+  30-layer model's decode chunk compiled in 18.5-19.1 s with 5 widths against 6.9-7.3 s with one, and
+  generated no faster; BENCHMARKS.md, "One refill width")."""
+  last = prefill_width(widths, max_prompt_len - 1)
+  return (tuple(w for w in widths if w < last) if narrow else ()) + (last,)
+
+
 def prefill_width(widths: tuple[int, ...], need: int) -> int:
   """The smallest of ``widths`` (ascending) that holds ``need`` prefix positions."""
   return next(w for w in widths if w >= need)
@@ -427,7 +437,8 @@ class SlotPrograms:
   """
 
   def __init__(self, spec: GenerateSpec, num_slots: int, rows: int, mesh: Mesh, param_shardings,
-               rules: Rules = GENERATE_RULES, static: bool = False, group_size: int = 1):
+               rules: Rules = GENERATE_RULES, static: bool = False, group_size: int = 1,
+               narrow_refills: bool = False):
     self.rows = rows
     # Rows a refill's forward runs on: a group's samples share their prompt's KV.
     self.unique_rows = shared_prompt_rows(rows, group_size, batch_shards(mesh))
@@ -445,8 +456,7 @@ class SlotPrograms:
                    in_shardings=(param_shardings, cache_sh, state_sh) + self.row_shardings,
                    out_shardings=(state_sh, cache_sh))
         for w in self.widths}
-    last = prefill_width(self.widths, spec.max_prompt_len - 1)
-    self.new_widths = tuple(w for w in self.widths if w < last) + (last,)
+    self.new_widths = refill_widths(self.widths, spec.max_prompt_len, narrow_refills)
     self.pending_rows = num_slots
     self.num_groups = 2 * num_slots
     self.chunk = jax.jit(
@@ -464,6 +474,6 @@ class SlotPrograms:
 
 @shared_programs.shared
 def programs(spec, num_slots, rows, mesh, param_shardings, rules: Rules = GENERATE_RULES,
-             static: bool = False, group_size: int = 1) -> SlotPrograms:
+             static: bool = False, group_size: int = 1, narrow_refills: bool = False) -> SlotPrograms:
   """Shared by every engine with equal arguments (``shared_programs``), so a new engine compiles nothing."""
-  return SlotPrograms(spec, num_slots, rows, mesh, param_shardings, rules, static, group_size)
+  return SlotPrograms(spec, num_slots, rows, mesh, param_shardings, rules, static, group_size, narrow_refills)

@@ -62,11 +62,12 @@ class SimEngine:
 
   ``widths``: the engine's prefill widths (``slots.prefill_widths``) and ``max_prompt_len``, so that
   ``prefill_tokens`` counts rows x width as the engine does; without them it counts real prefix tokens.
-  ``keep_cache``: in-flight samples keep their KV across runs (no re-prefill)."""
+  ``keep_cache``: in-flight samples keep their KV across runs (no re-prefill). ``narrow_refills``: as the
+  engine's (``EngineConfig.narrow_refills``)."""
 
   def __init__(self, num_slots: int, group_size: int, chunk_steps: int = 16, prefill_rows: int = 0,
                batch_shards: int = 1, *, widths: tuple[int, ...] | None = None, max_prompt_len: int = 0,
-               keep_cache: bool = False):
+               keep_cache: bool = False, narrow_refills: bool = False):
     if num_slots < 1 or chunk_steps < 1 or group_size < 1 or num_slots % group_size:
       raise ValueError(f"SimEngine: need num_slots >= 1 divisible by group_size, chunk_steps >= 1; got "
                        f"num_slots={num_slots}, group_size={group_size}, chunk_steps={chunk_steps}")
@@ -78,9 +79,9 @@ class SimEngine:
     unique = -(-(self.rows - 1) // group_size) + 1 if group_size > 1 else self.rows
     self.unique_rows = min(self.rows, -(-unique // batch_shards) * batch_shards)
     self.widths, self.keep_cache = widths, keep_cache
-    if widths is not None:   # slots.SlotPrograms.new_widths
+    if widths is not None:   # slots.refill_widths
       last = _width(widths, max_prompt_len - 1)
-      self.new_widths = tuple(w for w in widths if w < last) + (last,)
+      self.new_widths = (tuple(w for w in widths if w < last) if narrow_refills else ()) + (last,)
     self.kv_valid = False
     self.queue: collections.deque[SimRequest] = collections.deque()
     self.chunks = 0
