@@ -73,7 +73,17 @@ def test_chunks_scored_early_equal_the_batch_scored_at_once(packed):
   layout = packing.plan(lengths, SEQ_LEN, packing.row_buckets(16, 2, per_doubling=2), groups=2)
   got, scores, metrics = stage.take(batch, layout if packed else None, SEQ_LEN)
   assert scores is None
-  assert metrics == {"aux_stage/early_frac": 1.0} and not stage.slot_of and len(stage.free) == 64
+  assert metrics["aux_stage/early_frac"] == 1.0 and not stage.slot_of and len(stage.free) == 64
+  # Host -> aux bytes, by hand: 3 calls (one per chunk: each fits one block), each the token ids of its
+  # samples (1 byte each, vocabulary 128), every group's part rounded up to a page of 32 bytes, and the
+  # per-sample table (6 16-bit numbers for each of SEQ_LEN // 2 entries) and the version base (4 bytes); against
+  # the samples as int32 rows of SEQ_LEN.
+  sent, table = metrics["queue/link_bytes/host_to_aux"], 6 * 2 * (SEQ_LEN // 2) + 4
+  assert stage.pages.page_bytes == 32
+  assert lengths.sum() + 3 * table <= sent < lengths.sum() + 3 * (table + 2 * 32)
+  assert metrics["queue/link_bytes/host_to_aux_padded"] == 16 * SEQ_LEN * 4 > sent
+  assert metrics["queue/link_bytes/host_to_aux_this_host"] == sent      # one process
+  assert stage.link_bytes() == {}                                        # reported once
   rows, _ = packed_step.place_rows(mesh, layout, tokens_bt=batch.tokens_bt, behaviour_logp_bt=batch.logp_bt,
                                    version_bt=batch.version_bt, prompt_len_b=batch.prompt_len_b, vocab_size=128)
   positions, segments, _, mask = packed_step.make_row_layout(mesh)(rows)
@@ -174,8 +184,11 @@ def test_fetched_reference_holds_the_response_log_probs_as_the_queue_field(monke
   rows, scores, metrics = stage.fetch(batch)
   assert scores is None                                           # no reward model in this stage
   assert not stage.slot_of and len(stage.free) == 200          # released: the queue holds them now
-  assert metrics == {"link_bytes/aux_to_host": float(4 * sum(size for _, size in starts)),
-                     "link_bytes/aux_to_host_padded": float(160 * SEQ_LEN * 4)}
+  assert {k: metrics[k] for k in ("link_bytes/aux_to_host", "link_bytes/aux_to_host_padded")} == {
+      "link_bytes/aux_to_host": float(4 * sum(size for _, size in starts)),
+      "link_bytes/aux_to_host_padded": float(160 * SEQ_LEN * 4)}
+  # The 100 submitted and the 60 scored now crossed to the aux devices: 160 samples' padded equivalent.
+  assert metrics["link_bytes/host_to_aux_padded"] == 160 * SEQ_LEN * 4 > metrics["link_bytes/host_to_aux"]
   lengths = batch.prompt_len_b + batch.response_len_b
   layout = packing.plan(lengths, SEQ_LEN, packing.row_buckets(160, 2, per_doubling=2), groups=2)
   placed, _ = packed_step.place_rows(mesh, layout, tokens_bt=batch.tokens_bt, behaviour_logp_bt=batch.logp_bt,

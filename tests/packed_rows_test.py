@@ -196,6 +196,30 @@ def test_reference_log_probs_cross_in_the_stream(paged):
   assert extra > 0 and 3 * extra == plain_link["host_to_device_padded"] - (6 * 16 * 2 + 4)
 
 
+@pytest.mark.parametrize("paged", [True, False])
+def test_tokens_only_stream_carries_the_token_ids_alone(paged):
+  # The aux stage's format: each sample's token ids and nothing else (its models read nothing else): the
+  # rows' tokens as the full format's, log-probs 0.0 and versions -1 everywhere, the stream one byte a
+  # token here (vocabulary 128), the padded equivalent one int32 field a token.
+  mesh = make_mesh(MeshConfig(data=2, tensor=2), jax.devices()[:4])
+  prompt_b, response_b, tokens_bt, logp_bt, version_bt, _ = samples(9)
+  layout = packing.plan(prompt_b + response_b, SEQ_LEN, (16,), groups=2)
+  pages = packed_step.StreamPages(mesh, 16, SEQ_LEN, token_bytes=1, tokens_only=True, unit=16) if paged else None
+  rows, link = packed_step.place_rows(mesh, layout, tokens_bt=tokens_bt, behaviour_logp_bt=None, version_bt=None,
+                                      prompt_len_b=prompt_b, vocab_size=128, tokens_only=True, pages=pages,
+                                      padded_width=SEQ_LEN)
+  full, _ = packed_step.place_rows(mesh, layout, tokens_bt=tokens_bt, behaviour_logp_bt=logp_bt,
+                                   version_bt=version_bt, prompt_len_b=prompt_b, vocab_size=128, max_version_span=2)
+  np.testing.assert_array_equal(jax.device_get(rows.tokens_rw), jax.device_get(full.tokens_rw))
+  assert not np.asarray(jax.device_get(rows.behaviour_logp_rw)).any()
+  assert (np.asarray(jax.device_get(rows.version_rw)) == -1).all() and rows.ref_logp_rw is None
+  assert link["stream_used_bytes"] == (prompt_b + response_b).sum()
+  table = 6 * 2 * len(prompt_b) + 4
+  assert link["host_to_device_padded"] == 4 * len(prompt_b) * SEQ_LEN + table
+  with pytest.raises(ValueError, match="tokens_only carries no reference"):
+    packing.StreamFormat(1, 1, ref_logp=True, tokens_only=True)
+
+
 def test_per_sample_numbers_widen_to_int32_when_they_do_not_fit_16_bits():
   mesh = make_mesh(MeshConfig(data=-1), jax.devices()[:2])
   width, prompt_b = 2 ** 16 + 8, np.array([3, 5, 2, 4], np.int32)

@@ -19,7 +19,10 @@ Every call has one shape: a chunk's samples are packed first-fit into rows of ``
 ``block_rows`` rows at a time (``BLOCK_ROWS_PER_SHARD`` per batch shard of the aux mesh, the last block's
 spare rows empty), each block's samples padded to the most its rows can hold (zero-length samples take no
 row), its token stream crossing as pages into one buffer (``packed_step.StreamPages``). So the stage
-compiles each of its programs once, on its first call, whatever a chunk finished. The buffers hold
+compiles each of its programs once, on its first call, whatever a chunk finished. Only the samples' token
+ids cross (``tokens_only``: the models read nothing else), with a table of 6 numbers per sample entry;
+``take`` and ``fetch`` report the bytes put since the last report as ``queue/link_bytes/host_to_aux``
+beside its padded equivalent (the samples' tokens as int32 rows of ``seq_len``). The buffers hold
 ``capacity`` samples; when they are full the oldest entries are evicted (scored again if asked for), so a
 result never depends on what was kept. Samples that will never be trained (StaleSync's stale groups)
 are released by ``forget``.
@@ -126,13 +129,17 @@ class AuxStage:
     self._scatter_scores = shared_programs.jit(_scatter_scores, out_shardings=rep, donate_argnums=(0,))
     self._take_flat = {size: shared_programs.jit(functools.partial(_take_flat, size=size), out_shardings=rep)
                        for size in FETCH_BLOCKS}
-    # Every call scores one block of ``block_rows`` packed rows holding up to ``block_samples`` samples (a
-    # real sample has a prompt token and a response token at least), its stream crossing as pages into one
-    # buffer: one shape for each of the stage's programs, whatever a chunk finished.
+    # Every call scores one block of at most ``block_rows`` packed rows holding at most ``block_samples``
+    # samples (a row's worth of two-token samples: any one row fits, as ``_score`` packs every sample in
+    # two columns at least), its stream crossing as pages into one buffer: one shape for each of the
+    # stage's programs, whatever a chunk finished.
     self.block_rows = BLOCK_ROWS_PER_SHARD * self.shards
-    self.block_samples = self.block_rows * (self.seq_len // 2)
+    self.block_samples = max(1, self.seq_len // 2)
     self.pages = packed_step.StreamPages(self.mesh, self.block_rows, self.seq_len,
-                                         packing.value_bytes(self.vocab_size), max_pages=STREAM_PAGES)
+                                         packing.value_bytes(self.vocab_size), max_pages=STREAM_PAGES,
+                                         tokens_only=True, unit=16)
+    # Bytes the calls put on the aux devices since they were last reported (``take`` / ``fetch``).
+    self.link = collections.Counter()
     self.buffer = distributed.put(np.zeros((capacity, self.seq_len), np.float32), rep) if reference else None
     self.scores = distributed.put(np.zeros((capacity,), np.float32), rep) if reward else None
     self.slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()   # sample id -> row, oldest first
@@ -166,10 +173,12 @@ class AuxStage:
     rows = np.asarray(rows)
     prompt = np.asarray(rollout.prompt_len_b, np.int64)[rows]
     lengths = prompt + np.asarray(rollout.response_len_b, np.int64)[rows]
-    row_k, start_k, used = packing.first_fit_decreasing(lengths, self.seq_len)
+    # Each sample takes two columns at least (a one-token sample leaves one empty), so a row holds at most
+    # block_samples samples.
+    row_k, start_k, used = packing.first_fit_decreasing(np.minimum(np.maximum(lengths, 2), self.seq_len),
+                                                        self.seq_len)
     dest = np.asarray([self._slot(int(rollout.sample_id_b[i]), keep) for i in rows], np.int32)
-    # Blocks of consecutive rows: at most block_rows rows and block_samples samples each (a row holds at
-    # most seq_len // 2 samples of two tokens or more; shorter ones are cut out alone).
+    # Blocks of consecutive rows: at most block_rows rows and block_samples samples each.
     per_row = np.bincount(row_k[row_k >= 0], minlength=used)
     first = 0
     while first < used:
@@ -188,7 +197,7 @@ class AuxStage:
     block, into buffer rows ``dest_k``; padded to ``block_samples`` samples of length 0."""
     k, kmax, num_rows = len(rows), self.block_samples, self.block_rows
     if k > kmax:
-      raise ValueError(f"aux stage: {k} samples in {num_rows} rows of {self.seq_len}; at most {kmax} fit")
+      raise ValueError(f"aux stage: {k} samples in one call; it takes at most {kmax}")
     pad = lambda x, fill=0: np.concatenate([np.asarray(x)[rows], np.full((kmax - k,) + np.shape(x)[1:], fill,
                                                                           np.asarray(x).dtype)])
     prompt = pad(rollout.prompt_len_b)
@@ -201,12 +210,13 @@ class AuxStage:
     start_b[:k] = start_k
     layout = packing.Layout(row_b, start_b, np.asarray(lengths, np.int64), num_rows, self.seq_len,
                             int(row_k.max(initial=-1)) + 1)
-    # The models read the tokens only: the log-probs and versions cross as zeros (one stream format).
-    tokens = pad(rollout.tokens_bt)
-    zeros = np.zeros(tokens.shape, np.float32)
-    placed, _ = packed_step.place_rows(self.mesh, layout, tokens_bt=tokens, behaviour_logp_bt=zeros,
-                                       version_bt=zeros.astype(np.int32), prompt_len_b=prompt,
-                                       vocab_size=self.vocab_size, max_version_span=0, pages=self.pages)
+    # The models read the tokens only: nothing else crosses (``tokens_only``).
+    placed, put = packed_step.place_rows(self.mesh, layout, tokens_bt=pad(rollout.tokens_bt), behaviour_logp_bt=None,
+                                         version_bt=None, prompt_len_b=prompt, vocab_size=self.vocab_size,
+                                         pages=self.pages, tokens_only=True, padded_width=self.seq_len)
+    for key in ("host_to_device", "host_to_device_per_device", "host_to_device_this_host"):
+      self.link[key.replace("device", "aux", 1)] += put[key]
+    self.link["host_to_aux_padded"] += 4 * k * self.seq_len     # the samples' tokens as int32 rows of seq_len
     start = self.timeline.now() if self.timeline is not None else 0.0
     positions, segments, _, _ = self.row_layout(placed)
     dest = np.full((kmax,), self.capacity, np.int32)
@@ -278,7 +288,17 @@ class AuxStage:
     if reward:
       scores = _take_fn(self.mesh)(self.scores, slot_b)
     self.forget(ids)
-    return ref, scores, {"aux_stage/early_frac": found / max(1, len(ids))}
+    return ref, scores, {"aux_stage/early_frac": found / max(1, len(ids))} | {
+        f"queue/{k}": v for k, v in self.link_bytes().items()}
+
+  def link_bytes(self) -> dict[str, float]:
+    """Bytes put on the aux devices since the last call (``link_bytes/host_to_aux``: each call's token
+    stream and its per-sample table; ``..._padded``: the same samples' tokens as int32 rows of ``seq_len``,
+    what a padded placement would send; ``..._per_device``, ``..._this_host`` as ``place_rows`` counts
+    them)."""
+    out = {f"link_bytes/{k}": float(v) for k, v in self.link.items()}
+    self.link.clear()
+    return out
 
   def fetch(self, rollout: Rollout) -> tuple[list[np.ndarray] | None, np.ndarray | None, dict[str, float]]:
     """What the stage computed for ``rollout``'s samples, on the host, for the queue's fields: (the
@@ -296,7 +316,8 @@ class AuxStage:
                for a in range(0, n, self.capacity)]
       rows = None if not self.reference else [r for part in parts for r in part[0]]
       scores = None if not self.reward else np.concatenate([part[1] for part in parts])
-      return rows, scores, {k: float(sum(part[2][k] for part in parts)) for k in parts[0][2]}
+      keys = dict.fromkeys(k for part in parts for k in part[2])
+      return rows, scores, {k: float(sum(part[2].get(k, 0.0) for part in parts)) for k in keys}
     ids = [int(s) for s in np.asarray(rollout.sample_id_b)]
     missing = np.asarray([i for i, s in enumerate(ids) if s not in self.slot_of])
     if len(missing):
@@ -326,7 +347,8 @@ class AuxStage:
       scores = all_scores[:len(ids)].astype(np.float32)
     self.forget(ids)
     padded = len(ids) * 4 * ((self.seq_len if self.reference else 0) + (1 if self.reward else 0))
-    return rows, scores, {"link_bytes/aux_to_host": float(fetched), "link_bytes/aux_to_host_padded": float(padded)}
+    return rows, scores, {"link_bytes/aux_to_host": float(fetched), "link_bytes/aux_to_host_padded": float(padded),
+                          **self.link_bytes()}
 
   def close(self) -> None:
     self._waiter.shutdown(wait=True)

@@ -243,15 +243,16 @@ class StreamPages:
   stream's length: nothing compiles when a batch's stream is longer or shorter than before. The buffer
   holds the most a group's rows can carry: ``rows / G * width`` tokens of ``token_bytes + 8`` bytes (a
   token id, its log-prob bits, a version of up to 4 bytes; 4 more with ``ref_logp``, the reference
-  log-prob's bits), in at most ``max_pages`` pages (a stream rounds up to a whole page: 1/64 of that at
-  most)."""
+  log-prob's bits; ``token_bytes`` alone with ``tokens_only``), in at most ``max_pages`` pages (a stream
+  rounds up to a whole page: 1/64 of that at most, and a page to ``unit`` bytes per device)."""
 
   def __init__(self, mesh: Mesh, num_rows: int, width: int, token_bytes: int, max_pages: int = 64,
-               ref_logp: bool = False):
+               ref_logp: bool = False, tokens_only: bool = False, unit: int = 256):
     self.mesh, self.groups = mesh, batch_shards(mesh)
     self.devices = mesh.size // self.groups
-    capacity = num_rows // self.groups * width * (token_bytes + 8 + (4 if ref_logp else 0))
-    self.device_bytes = 256 * math.ceil(capacity / (max_pages * self.devices * 256))
+    per_token = token_bytes + (0 if tokens_only else 8 + (4 if ref_logp else 0))
+    capacity = num_rows // self.groups * width * per_token
+    self.device_bytes = unit * math.ceil(capacity / (max_pages * self.devices * unit))
     self.page_bytes = self.devices * self.device_bytes       # of one group's stream
     self.pages = math.ceil(capacity / self.page_bytes)
     shape = (self.pages, self.groups * self.devices, self.device_bytes)
@@ -283,7 +284,8 @@ class StreamPages:
 
 def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_bt, version_bt, prompt_len_b,
                vocab_size: int, max_version_span: int = 0, padded_width: int | None = None,
-               pages: StreamPages | None = None, ref_logp_bt=None) -> tuple[PackedRows, dict[str, float]]:
+               pages: StreamPages | None = None, ref_logp_bt=None,
+               tokens_only: bool = False) -> tuple[PackedRows, dict[str, float]]:
   """Host samples (right-padded rows, any width >= their lengths) -> ``PackedRows`` on ``mesh``, and the
   bytes put.
 
@@ -306,14 +308,16 @@ def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_
   (``StreamPages``; its length a number of pages rather than a bucket), so the rows are rebuilt by one
   program for every stream length. ``ref_logp_bt``: the reference's log-probs too (right-padded rows, as
   the other token fields), their response tokens' float32 bits in the stream (``ref_logp_rw``); the
-  padded equivalent then counts 4 fields a token."""
+  padded equivalent then counts 4 fields a token. ``tokens_only``: the token ids alone cross (the rows'
+  log-probs 0.0 and versions -1; ``behaviour_logp_bt`` and ``version_bt`` are not read), the padded
+  equivalent one field a token."""
   groups = batch_shards(mesh)
   if layout.num_rows % groups:
     raise ValueError(f"{layout.num_rows} packed rows do not split over data*fsdp={groups} "
                      "batch shards; take the row buckets from packing.row_multiple")
   per_group_devices = mesh.size // groups
   fmt = packing.StreamFormat(packing.value_bytes(vocab_size), packing.value_bytes(max_version_span + 1),
-                             ref_logp=ref_logp_bt is not None)
+                             ref_logp=ref_logp_bt is not None, tokens_only=tokens_only)
   stream = packing.pack_stream(layout, groups, fmt, tokens_bt=tokens_bt, behaviour_logp_bt=behaviour_logp_bt,
                                version_bt=version_bt, prompt_len_b=prompt_len_b, multiple=per_group_devices,
                                page=pages.page_bytes if pages is not None else 0, ref_logp_bt=ref_logp_bt)
@@ -337,7 +341,8 @@ def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_
   width = padded_width or step_lib.train_width(int(layout.length_b.max(initial=0)), layout.width)
   return rows, {"stream_bytes": float(stream.bytes_gn.shape[1]), "stream_used_bytes": float(stream.used_bytes),
                 "host_to_device": float(stream.bytes_gn.nbytes + sample_bytes),
-                "host_to_device_padded": float((3 + fmt.ref_logp) * 4 * len(layout.length_b) * width + sample_bytes),
+                "host_to_device_padded": float((1 if tokens_only else 3 + fmt.ref_logp) * 4 * len(layout.length_b)
+                                               * width + sample_bytes),
                 "host_to_device_per_device": float(most + sample_bytes),
                 "host_to_device_this_host": float(here + sample_bytes)}
 
@@ -371,15 +376,19 @@ def rows_from_stream(data_xl, table_6b, version_base, *, num_rows: int, width: i
     return out
 
   tb, vb = fmt.token_bytes, fmt.version_bytes
+  tokens_rw = jnp.where(inside, value(offset_rw + tb * pos_rw, tb), 0).astype(jnp.int32)
+  if fmt.tokens_only:     # no log-probs or versions crossed: 0.0 / -1 everywhere
+    return PackedRows(tokens_rw=tokens_rw, behaviour_logp_rw=jnp.zeros((num_rows, width), jnp.float32),
+                      version_rw=jnp.full((num_rows, width), -1, jnp.int32), row_b=row_b, start_b=start_b,
+                      length_b=length_b, prompt_len_b=prompt_len_b, segment_b=segment_b, ref_logp_rw=None)
   base = offset_rw + tb * length_rw
   bits = value(base + 4 * j_rw, 4)
   version = value(base + 4 * (length_rw - prompt_rw) + vb * j_rw, vb).astype(jnp.int32) + version_base
   as_float = lambda bits_rw: jnp.where(response, jax.lax.bitcast_convert_type(bits_rw, jnp.float32), 0.0)
   ref = as_float(value(base + (4 + vb) * (length_rw - prompt_rw) + 4 * j_rw, 4)) if fmt.ref_logp else None
-  return PackedRows(tokens_rw=jnp.where(inside, value(offset_rw + tb * pos_rw, tb), 0).astype(jnp.int32),
-                    behaviour_logp_rw=as_float(bits), version_rw=jnp.where(response, version, -1), row_b=row_b,
-                    start_b=start_b, length_b=length_b, prompt_len_b=prompt_len_b, segment_b=segment_b,
-                    ref_logp_rw=ref)
+  return PackedRows(tokens_rw=tokens_rw, behaviour_logp_rw=as_float(bits),
+                    version_rw=jnp.where(response, version, -1), row_b=row_b, start_b=start_b, length_b=length_b,
+                    prompt_len_b=prompt_len_b, segment_b=segment_b, ref_logp_rw=ref)
 
 
 @functools.lru_cache(maxsize=32)

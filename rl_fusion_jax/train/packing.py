@@ -274,15 +274,23 @@ def stream_length(used: int, multiple: int, unit: int = 256) -> int:
 @dataclasses.dataclass(frozen=True)
 class StreamFormat:
   """Bytes per token id (``value_bytes(vocab_size)``) and per version (above the batch's lowest); with
-  ``ref_logp`` also a reference log-prob per response token (float32 bits)."""
+  ``ref_logp`` also a reference log-prob per response token (float32 bits); with ``tokens_only`` the
+  token ids alone (for a consumer that reads nothing else: the aux stage's models)."""
   token_bytes: int
   version_bytes: int
   ref_logp: bool = False
+  tokens_only: bool = False
+
+  def __post_init__(self):
+    if self.tokens_only and self.ref_logp:
+      raise ValueError("StreamFormat: tokens_only carries no reference log-probs")
 
   def sample_bytes(self, length_b, prompt_len_b) -> np.ndarray:
     """Bytes each sample takes: its tokens, then 4 (float32 log-prob bits) + ``version_bytes`` (+ 4, the
-    reference log-prob's bits) per response token."""
+    reference log-prob's bits) per response token; with ``tokens_only`` its tokens alone."""
     length_b, prompt_len_b = np.asarray(length_b, np.int64), np.asarray(prompt_len_b, np.int64)
+    if self.tokens_only:
+      return self.token_bytes * length_b
     per_response = 4 + self.version_bytes + (4 if self.ref_logp else 0)
     return self.token_bytes * length_b + per_response * np.where(length_b > 0, length_b - prompt_len_b, 0)
 
@@ -328,7 +336,7 @@ def pack_stream(layout: Layout, groups: int, fmt: StreamFormat, *, tokens_bt, be
   """Samples (right-padded rows) -> their ``Stream``: each group's bytes, the stream length bucketed
   (``stream_length``, a multiple of ``multiple``), or with ``page`` > 0 a whole number of pages of
   ``page`` bytes (at least one). ``ref_logp_bt``: the reference log-probs, given exactly when
-  ``fmt.ref_logp``."""
+  ``fmt.ref_logp``. With ``fmt.tokens_only`` the log-probs and versions are not read (None will do)."""
   if (ref_logp_bt is not None) != fmt.ref_logp:
     raise ValueError(f"pack_stream: ref_logp_bt {'given' if ref_logp_bt is not None else 'missing'} for a "
                      f"format with ref_logp={fmt.ref_logp}")
@@ -339,7 +347,7 @@ def pack_stream(layout: Layout, groups: int, fmt: StreamFormat, *, tokens_bt, be
   sample, offset, _, _ = layout._token_index()
   response = offset >= prompt_b[sample]
   s, j = sample[response], offset[response] - prompt_b[sample[response]]
-  version = np.asarray(version_bt, np.int64)[s, prompt_b[s] + j]
+  version = (np.zeros((0,), np.int64) if fmt.tokens_only else np.asarray(version_bt, np.int64)[s, prompt_b[s] + j])
   version_base = int(version.min()) if version.size else 0
   # Versions wider than the format expects (a span beyond the staleness bound it was sized for) widen it.
   fmt = dataclasses.replace(fmt, version_bytes=max(fmt.version_bytes,
@@ -352,6 +360,8 @@ def pack_stream(layout: Layout, groups: int, fmt: StreamFormat, *, tokens_bt, be
   out = np.zeros((groups, length), STREAM_DTYPE)
   tb, vb = fmt.token_bytes, fmt.version_bytes
   _put(out, group_b[sample], offset_b[sample] + tb * offset, np.asarray(tokens_bt)[sample, offset], tb, "token ids")
+  if fmt.tokens_only:
+    return Stream(out, offset_b, version_base, int(per_group.sum()), fmt)
   g, base, r = group_b[s], offset_b[s] + tb * length_b[s], length_b[s] - prompt_b[s]
   bits = np.ascontiguousarray(np.asarray(behaviour_logp_bt, np.float32)[s, prompt_b[s] + j]).view(np.uint32)
   _put(out, g, base + 4 * j, bits, 4, "log-prob bits")
