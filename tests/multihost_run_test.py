@@ -232,6 +232,7 @@ def test_deployment_modes_across_processes_equal_one_process(tmp_path, mode):
       assert all(r["reward_model_score"] != 0.0 for r in rows)
       if stalesync:     # fetched into the queue (ref_logp, rm_score) after each rollout phase
         assert any(r.get("queue/link_bytes/aux_to_host", 0) > 0 for r in rows)
+        assert any(r.get("queue/link_bytes/host_to_aux", 0) > 0 for r in rows)
         assert not any("aux_stage/early_frac" in r for r in rows)
         assert max(r["stalesync/staleness_max"] for r in rows) == 1
       else:
@@ -252,6 +253,14 @@ def test_deployment_modes_across_processes_equal_one_process(tmp_path, mode):
       stream = rb[key] - per_sample                                   # both groups' streams
       assert rb[f"{key}_this_host"] == stream / 2 + per_sample        # the busiest host: one group's
       assert rb[f"{key}_hosts_sum"] == stream + 2 * per_sample
+      # Host -> aux (the finished samples the aux stage scores): the aux mesh's 2 devices are 2 groups, one
+      # on each process of two. Each process puts its own group's token pages and its copy of each call's
+      # table; one process puts both groups' pages and one copy. T: the second process's table copies.
+      aux = "queue/link_bytes/host_to_aux"
+      if aux in rb or not stalesync:      # StaleSync skips the rollout phase when the queue fills the update
+        tables = rb[f"{aux}_hosts_sum"] - rb[aux]
+        assert ra[f"{aux}_this_host"] == ra[aux] > 0 and tables > 0
+        assert rb[f"{aux}_this_host"] == (rb[aux] - tables) / 2 + tables
       # Device -> host, what crosses today: every process fetches every finished row (not split yet:
       # the engine's host state and the queue are replicated on every process).
       fetch = "queue/link_bytes/engine_to_host"
