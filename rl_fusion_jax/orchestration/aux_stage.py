@@ -17,8 +17,9 @@ the scores.
 
 Every call has one shape: a chunk's samples are packed first-fit into rows of ``seq_len`` and scored
 ``block_rows`` rows at a time (``BLOCK_ROWS_PER_SHARD`` per batch shard of the aux mesh, the last block's
-spare rows empty), each block's samples padded to the most its rows can hold (zero-length samples take no
-row), its token stream crossing as pages into one buffer (``packed_step.StreamPages``). So the stage
+spare rows empty), each block's samples padded to ``block_samples`` entries (``seq_len / 2``: every sample
+takes two columns at least, and a block ends at fewer rows rather than hold more; zero-length entries take
+no row), its token stream crossing as pages into one buffer (``packed_step.StreamPages``). So the stage
 compiles each of its programs once, on its first call, whatever a chunk finished. Only the samples' token
 ids cross (``tokens_only``: the models read nothing else), with a table of 6 numbers per sample entry;
 ``take`` and ``fetch`` report the bytes put since the last report as ``queue/link_bytes/host_to_aux``
@@ -118,7 +119,6 @@ class AuxStage:
     self.reference, self.reward = reference, reward
     self.mesh, self.seq_len, self.capacity = programs.aux_mesh, r.seq_len, capacity
     self.vocab_size = cfg.model.config.vocab_size
-    self.max_span = cfg.stalesync.max_staleness if cfg.stalesync.enabled else 0
     self.logprobs = programs.packed_ref_logprobs if reference else None
     self.score_fn = programs.packed_reward_score if reward else None
     self.row_layout = packed_step.make_row_layout(self.mesh)
