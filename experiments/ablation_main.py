@@ -316,12 +316,6 @@ def bar_chart(rows: dict, out: str) -> None:
   plt.close(fig)
 
 
-def steps_of(manifest: dict, workload: str) -> int:
-  """The measured steps per run of ``workload`` in an ablation manifest ("steps": a count, or per workload)."""
-  steps = manifest["steps"]
-  return steps[workload] if isinstance(steps, dict) else steps
-
-
 def _from_manifest(path: str) -> dict:
   """The runs a manifest lists (folders relative to it), with its settings and what it says of them."""
   with open(path) as f:
@@ -342,7 +336,8 @@ def main(argv):
     warm, repeats = manifest["warm_steps"], manifest["repeats"]
     workdirs = manifest["workdirs"]
     workloads, variants = list(workdirs), list(next(iter(workdirs.values())))
-    steps = {w: steps_of(manifest, w) for w in workloads}
+    from rl_fusion_jax.sim import fit  # pylint: disable=g-import-not-at-top
+    steps = {w: fit.steps_of(manifest, w) for w in workloads}
     runs = {w: {v: [measure_run(d, warm, steps[w]) for d in workdirs[w][v]] for v in variants} for w in workloads}
     command, runs_seconds = manifest.get("command"), manifest.get("runs_seconds")
   else:

@@ -213,7 +213,7 @@ class AuxStage:
     # The models read the tokens only: nothing else crosses (``tokens_only``).
     placed, put = packed_step.place_rows(self.mesh, layout, tokens_bt=pad(rollout.tokens_bt), behaviour_logp_bt=None,
                                          version_bt=None, prompt_len_b=prompt, vocab_size=self.vocab_size,
-                                         pages=self.pages, tokens_only=True, padded_width=self.seq_len)
+                                         pages=self.pages, tokens_only=True)
     for key in ("host_to_device", "host_to_device_per_device", "host_to_device_this_host"):
       self.link[key.replace("device", "aux", 1)] += put[key]
     self.link["host_to_aux_padded"] += 4 * k * self.seq_len     # the samples' tokens as int32 rows of seq_len

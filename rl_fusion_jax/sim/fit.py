@@ -304,15 +304,20 @@ def _check(c: Check) -> dict:
           "simulated_decode_steps": c.simulated_decode_steps, "simulated_idle": c.simulated_idle}
 
 
+def steps_of(manifest: dict, workload: str) -> int:
+  """The measured steps per run of ``workload`` in an ablation manifest ("steps": a count, or per workload)."""
+  steps = manifest["steps"]
+  return steps[workload] if isinstance(steps, dict) else steps
+
+
 def load_manifest(path: str) -> dict[str, list[tuple[str, int, measure.MeasuredRun]]]:
   """workload -> (variant, repeat, run) of every run an ablation manifest lists (run folders relative to
   the manifest's own folder), each with the manifest's warm and measured steps (of its workload)."""
   with open(path) as f:
     ablation = json.load(f)
-  warm, steps = ablation["warm_steps"], ablation["steps"]   # steps: a count, or workload -> count
+  warm = ablation["warm_steps"]
   here = os.path.dirname(os.path.abspath(path))
-  count = lambda workload: steps[workload] if isinstance(steps, dict) else steps
-  return {workload: [(v, i, measure.load(os.path.join(here, d), warm, count(workload)))
+  return {workload: [(v, i, measure.load(os.path.join(here, d), warm, steps_of(ablation, workload)))
                      for v, dirs in by_variant.items() for i, d in enumerate(dirs)]
           for workload, by_variant in ablation["workdirs"].items()}
 
