@@ -236,11 +236,14 @@ def test_half_precision_cached_decoding_equals_the_float32_path(monkeypatch, dty
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_decoding_params_cast_the_kernels_once_and_change_no_result(monkeypatch, moe):
-  # bf16_matmul over float32 weights, every layer unrolled: each layer's projection kernels come out cast to
-  # bfloat16 (the cast every matmul makes of them), the rest as stored; prefill and a decode step give the
-  # logits and cache of the layer scan over the stacked float32 params bit for bit.
-  cfg = dataclasses.replace(_half_config("bf16_matmul", 0, moe), param_dtype="float32")
+@pytest.mark.parametrize("dtype", ["bf16_matmul", "float32"])
+def test_decoding_params_prepare_the_kernels_once_and_change_no_result(monkeypatch, moe, dtype):
+  # Float32 weights, every layer unrolled: each layer's projection kernels come out sliced from the stacks,
+  # cast to bfloat16 under bf16_matmul (the cast every matmul makes of them) and as stored in float32, the
+  # rest as stored; prefill and a decode step give the logits and cache of the layer scan over the stacked
+  # params bit for bit.
+  cfg = dataclasses.replace(_half_config(dtype, 0, moe), param_dtype="float32")
+  low = jnp.bfloat16 if dtype == "bf16_matmul" else jnp.float32
   params = models.init_params(cfg, jax.random.key(1), init_std=0.3)
   prepared = models.decoding_params(cfg, params)
   assert isinstance(prepared, models.DecodeParams) and len(prepared.layers) == cfg.num_layers
@@ -250,8 +253,8 @@ def test_decoding_params_cast_the_kernels_once_and_change_no_result(monkeypatch,
       stacked = params[name]
       for key in path:
         stacked = stacked[key.key]
-      assert path[-1].key == "kernel" and x.dtype == jnp.bfloat16, (name, path)
-      np.testing.assert_array_equal(np.asarray(x), np.asarray(stacked[index].astype(jnp.bfloat16)))
+      assert path[-1].key == "kernel" and x.dtype == low, (name, path)
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(stacked[index].astype(low)))
       paths.append(tuple(k.key for k in path))
     # Every projection (attention, the dense or shared-expert MLP) and nothing else: the router and the
     # routed experts are read from the stacks as before (not every matmul of them casts alike).
@@ -267,10 +270,9 @@ def test_decoding_params_cast_the_kernels_once_and_change_no_result(monkeypatch,
     logits_1, cache = step(p, jnp.argmax(logits[:, -1:], -1).astype(jnp.int32), jnp.full((2, 1), 5), cache)
     return logits, logits_1, cache
 
-  # Nothing to prepare: float32 matmuls, bfloat16 compute (a loop would round its intermediates elsewhere),
-  # or layers in a loop (a stack read per iteration; the MoE model's stacks alternate, one layer per run,
-  # so they are unrolled at any scan_unroll).
-  assert models.decoding_params(dataclasses.replace(cfg, dtype="float32"), params) is params
+  # Nothing to prepare: bfloat16 compute (a loop would round its intermediates elsewhere), or layers in a
+  # loop (a stack read per iteration; the MoE model's stacks alternate, one layer per run, so they are
+  # unrolled at any scan_unroll).
   assert models.decoding_params(dataclasses.replace(cfg, dtype="bfloat16"), params) is params
   assert (models.decoding_params(dataclasses.replace(cfg, scan_unroll=1), params) is params) == (not moe)
   prepared_out = run(prepared)

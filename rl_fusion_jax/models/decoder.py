@@ -229,7 +229,7 @@ class Decoder(nnx.Module):
 
     Where the result is differentiated, each layer is rematerialized under the `remat` policy;
     `differentiable=False` (cached decoding) skips the checkpoint wrapper. With `layers` (never
-    differentiated; `kv_cache.decoding_params`: per layer, params that replace its reads, its cast kernels)
+    differentiated; `kv_cache.decoding_params`: per layer, params that replace its reads, its prepared kernels)
     every layer is unrolled as a Python loop, `i` a Python int, the rest of each layer's params read from
     the stacks at that constant index (`layers.read_index`).
     """

@@ -22,9 +22,9 @@ from rl_fusion_jax.model_config import DTYPES, ModelConfig
 from rl_fusion_jax.models.decoder import Params, _check_tokens, bind, unrolled_without_grad
 
 KVCache = dict[str, jax.Array]
-# `decoding_params` prepares params (True) or returns them as given (False: every projection casts its kernel,
-# as before). Read while tracing: for A/B runs (experiments/benchmark_real_generate.py --cast_once_ab) and the
-# tests' equality checks.
+# `decoding_params` prepares params (True) or returns them as given (False: every projection slices and casts
+# its kernel from the stacks, as before). Read while tracing: for A/B runs
+# (experiments/benchmark_real_generate.py --cast_once_ab) and the tests' equality checks.
 CAST_ONCE = True
 
 
@@ -32,7 +32,8 @@ CAST_ONCE = True
 @dataclasses.dataclass(frozen=True)
 class DecodeParams:
   """Params prepared once for many cached forwards (`decoding_params`): ``layers`` holds, per global layer
-  index, that layer's projection kernels already in the matmul dtype (a nested dict of the kernels only);
+  index, that layer's projection kernels sliced out of the stacks, cast to the matmul dtype where it is
+  narrower (a nested dict of the kernels only);
   ``params`` the params as given (everything else is read from them, as without preparation)."""
   params: Params
   layers: tuple
@@ -40,37 +41,37 @@ class DecodeParams:
 
 def decoding_params(cfg: ModelConfig, params: Params) -> Params | DecodeParams:
   """``params`` prepared for the cached forwards of one program (a decode chunk: every decode step and
-  refill of it): where every layer is unrolled (`decoder.unrolled_without_grad`: the CPU default), the
-  compute is float32 and the matmul dtype is narrower than the projection kernels ('bf16_matmul' over
-  float32 weights), each layer's projection kernels are sliced out of the stacks and cast to the matmul
-  dtype once, and the cached forwards run the layers as a Python loop that reads them (a constant layer
-  index).
+  refill of it): where every layer is unrolled (`decoder.unrolled_without_grad`: the CPU default) and the
+  compute is float32, each layer's projection kernels are sliced out of the stacks once, cast to the matmul
+  dtype where it is narrower than the kernel ('bf16_matmul' over float32 weights), and the cached forwards
+  run the layers as a Python loop that reads them (a constant layer index).
 
-  Without it every refill's prefill casts every kernel again (a branch of the decode loop's conditional,
-  out of which XLA hoists nothing; SmolLM2-135M-Instruct, batch 32: BENCHMARKS.md). The cast is the one
-  each projection makes of its kernel (`layers.Projection`: a `mixed_matmul` casts both inputs to the
-  matmul dtype), so the results are the same bit for bit; the program holds the cast kernels (half their
-  float32 bytes) while it runs. Other weights (norms, biases, an MoE's router and routed experts) are read
-  from ``params`` as before. Otherwise ``params`` is returned as it is: under 'bfloat16' compute a loop
-  in place of the layer scan would move XLA's fusion boundaries, and with them where bfloat16
-  intermediates are rounded."""
+  Without it XLA:CPU copies each layer's slice of a stacked kernel before its matmul in every decode step
+  (and, under 'bf16_matmul', every refill's prefill casts every kernel again: a branch of the decode loop's
+  conditional, out of which XLA hoists nothing); SmolLM2-135M-Instruct, batch 32: BENCHMARKS.md. The cast is
+  the one each projection makes of its kernel (`layers.Projection`: a `mixed_matmul` casts both inputs to
+  the matmul dtype), so the results are the same bit for bit. While it runs the program holds a second copy
+  of the projection kernels, in the narrower of their dtype and the matmul dtype (half the float32 kernels'
+  bytes under 'bf16_matmul', all of them in float32). Other weights (norms, biases, an MoE's router and routed experts) are read from ``params`` as
+  before. Otherwise ``params`` is returned as it is: under 'bfloat16' compute a loop in place of the layer
+  scan would move XLA's fusion boundaries, and with them where bfloat16 intermediates are rounded."""
   low = jnp.dtype(cfg.matmul_dtype)
   if not (CAST_ONCE and unrolled_without_grad(cfg) and jnp.dtype(cfg.compute_dtype) == jnp.float32):
     return params
-  layers = tuple(_cast_kernels(params[name], index, low) for name, index in cfg.layer_stacks)
+  layers = tuple(_layer_kernels(params[name], index, low) for name, index in cfg.layer_stacks)
   return DecodeParams(params, layers) if any(layers) else params
 
 
-def _cast_kernels(tree: dict, index: int, low) -> dict:
-  """The ``kernel`` leaves of one stack's ``tree`` wider than ``low``, at layer ``index``, cast to ``low``
+def _layer_kernels(tree: dict, index: int, low) -> dict:
+  """The ``kernel`` leaves of one stack's ``tree`` at layer ``index``, those wider than ``low`` cast to it
   (nested like ``tree``; subtrees without one left out)."""
   out = {}
   for key, value in tree.items():
     if isinstance(value, dict):
-      if sub := _cast_kernels(value, index, low):
+      if sub := _layer_kernels(value, index, low):
         out[key] = sub
-    elif key == "kernel" and low.itemsize < jnp.dtype(value.dtype).itemsize:
-      out[key] = value[index].astype(low)
+    elif key == "kernel":
+      out[key] = value[index].astype(low) if low.itemsize < jnp.dtype(value.dtype).itemsize else value[index]
   return out
 
 
