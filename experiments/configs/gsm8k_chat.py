@@ -58,7 +58,8 @@ def get_config(arg: str = ""):
     # "Real-model decode on CPU and the stacked layer tree"): float32 compute (bfloat16 decoded 3.2x slower
     # than float32 on a 2-core AMD EPYC without native bfloat16), no remat, the layers unrolled (the CPU
     # default, scan_unroll=0: a SmolLM2-135M GRPO step's update took 22.2 s unrolled against 25.1 s rolled,
-    # its generation 10.7 against 9.8 s; under bf16_matmul 13.8 against 15.6 and 6.3 against 6.7), and one
+    # its generation 10.7 against 9.8 s, and since float32 decode chunks take each layer's kernels sliced once
+    # a decode step at batch 32 144 against 156 ms; under bf16_matmul 13.8 against 15.6 and 6.3 against 6.7), and one
     # device (two would each read every weight for half the rows). Unrolled, the first step compiles longer
     # (65 against 48 s in float32, its programs not yet in the compilation cache).
     c.model.update(dtype="float32", remat="none", scan_unroll=0)
