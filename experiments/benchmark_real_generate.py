@@ -12,7 +12,8 @@ step. With ``--ref_python`` (a Python with torch and transformers, ``$RLFJ_REF_P
 batch and length.
 
 ``--cast_once_ab``: each setting also runs with ``kv_cache.CAST_ONCE`` off (no ``models.decoding_params``:
-the decode chunk's layers in a ``lax.scan`` and each refill casting every kernel again, as before), the two
+the decode chunk's layers in a ``lax.scan``, each decode step slicing every kernel out of its stack and each
+refill casting it again under 'bf16_matmul', as before), the two
 engines taking turns in each repeat (each going first in every other repeat); the JSON lines then carry
 ``cast_once`` and whether both sampled the same tokens.
 """
