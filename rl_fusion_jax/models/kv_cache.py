@@ -20,6 +20,7 @@ from jaxtyping import Array, Float, Int
 
 from rl_fusion_jax.model_config import DTYPES, ModelConfig
 from rl_fusion_jax.models.decoder import Params, _check_tokens, bind, unrolled_without_grad
+from rl_fusion_jax.models.layers import read_index
 
 KVCache = dict[str, jax.Array]
 # `decoding_params` prepares params (True) or returns them as given (False: every projection slices and casts
@@ -71,7 +72,8 @@ def _layer_kernels(tree: dict, index: int, low) -> dict:
       if sub := _layer_kernels(value, index, low):
         out[key] = sub
     elif key == "kernel":
-      out[key] = value[index].astype(low) if low.itemsize < jnp.dtype(value.dtype).itemsize else value[index]
+      layer = read_index(value, index)   # a half-precision stack as 16-bit words on CPU
+      out[key] = layer.astype(low) if low.itemsize < jnp.dtype(value.dtype).itemsize else layer
   return out
 
 
