@@ -34,8 +34,8 @@ CAST_ONCE = True
 class DecodeParams:
   """Params prepared once for many cached forwards (`decoding_params`): ``layers`` holds, per global layer
   index, that layer's projection kernels sliced out of the stacks, cast to the matmul dtype where it is
-  narrower (a nested dict of the kernels only);
-  ``params`` the params as given (everything else is read from them, as without preparation)."""
+  narrower (a nested dict of the kernels only); ``params`` the params as given (everything else is read
+  from them, as without preparation)."""
   params: Params
   layers: tuple
 
@@ -53,9 +53,10 @@ def decoding_params(cfg: ModelConfig, params: Params) -> Params | DecodeParams:
   the one each projection makes of its kernel (`layers.Projection`: a `mixed_matmul` casts both inputs to
   the matmul dtype), so the results are the same bit for bit. While it runs the program holds a second copy
   of the projection kernels, in the narrower of their dtype and the matmul dtype (half the float32 kernels'
-  bytes under 'bf16_matmul', all of them in float32). Other weights (norms, biases, an MoE's router and routed experts) are read from ``params`` as
-  before. Otherwise ``params`` is returned as it is: under 'bfloat16' compute a loop in place of the layer
-  scan would move XLA's fusion boundaries, and with them where bfloat16 intermediates are rounded."""
+  bytes under 'bf16_matmul', all of them in float32). Other weights (norms, biases, an MoE's router and
+  routed experts) are read from ``params`` as before. Otherwise ``params`` is returned as it is: under
+  'bfloat16' compute a loop in place of the layer scan would move XLA's fusion boundaries, and with them
+  where bfloat16 intermediates are rounded."""
   low = jnp.dtype(cfg.matmul_dtype)
   if not (CAST_ONCE and unrolled_without_grad(cfg) and jnp.dtype(cfg.compute_dtype) == jnp.float32):
     return params
