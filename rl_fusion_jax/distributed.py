@@ -243,6 +243,23 @@ def fetch(tree):
                       else jax.device_get(x), tree)
 
 
+def allgather_bytes(payload: np.ndarray, sizes) -> list[np.ndarray]:
+  """Every process's ``payload`` (uint8 [sizes[p]] on process p; ``sizes`` known to every process) -> the
+  list of them, on every process. A collective (``process_allgather`` of the payloads padded to the
+  largest): every process calls it in the same order."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  payload = np.asarray(payload, np.uint8).reshape(-1)
+  if payload.size != sizes[jax.process_index()]:
+    raise ValueError(f"allgather_bytes: {payload.size} bytes from process {jax.process_index()}, "
+                     f"{sizes[jax.process_index()]} announced")
+  padded = np.zeros((max(max(sizes), 1),), np.uint8)
+  padded[:payload.size] = payload
+  gathered = np.asarray(multihost_utils.process_allgather(padded))
+  return [gathered[p, :n] for p, n in enumerate(sizes)]
+
+
 def broadcast_error(name: str, error: BaseException | None, timeout_s: int = 600) -> None:
   """Process 0 ran a step alone (``error`` is what it raised, or None); every process raises it.
 

@@ -1,6 +1,7 @@
 """Engine state for a bounded-staleness scheduler: finish_groups, per-group oldest versions, checkpointing."""
 import functools
 import io
+import re
 
 import jax
 import jax.numpy as jnp
@@ -174,10 +175,11 @@ def test_finish_groups_waits_and_returns_every_complete_group():
 
 
 def test_a_chunk_fetches_flags_and_finished_rows_not_the_slot_state(monkeypatch):
-  # Per chunk the host reads [S] flags, lengths and sample ids, the outbox's [O] sample ids and scalar
-  # counters; the finished samples only as blocks [W, size] of bytes of their packed numbers and responses (O = S
-  # + the S uploaded requests), never a [S, T] field nor a padded [O, 3T + 4] row. The oldest version of
-  # each in-flight sample, kept on the host, equals the one in the slot state.
+  # Per chunk the host reads [S] flags, lengths and sample ids, the finished samples' ids and batch shards
+  # [O] (O = S + the S uploaded requests), each shard's row and column counts [R] and scalar counters; the
+  # finished samples only as blocks [1, W, size] of one shard's bytes of their packed numbers and responses,
+  # never a [S, T] field nor a padded [O, 3T + 4] row. The oldest version of each in-flight sample, kept on
+  # the host, equals the one in the slot state.
   fetched = []
   real_get = jax.device_get
   monkeypatch.setattr(jax, "device_get", lambda x: fetched.append(jax.tree.leaves(x)) or real_get(x))
@@ -188,10 +190,10 @@ def test_a_chunk_fetches_flags_and_finished_rows_not_the_slot_state(monkeypatch)
            for version in (0, 1)]
   seq_len = SPEC.seq_len
   width = slots.wire_format(SPEC.model.vocab_size, SPEC.seq_len)[2]
-  blocks = [(width, size) for size in slots.PACK_BLOCKS]
+  blocks = [(1, width, size) for size in slots.PACK_BLOCKS]
   shapes = [tuple(x.shape) for leaves in fetched for x in leaves]
-  assert (width, slots.PACK_BLOCKS[-1]) in shapes
-  assert all(s in ((), (8,), (16,), *blocks) for s in shapes), shapes
+  assert (1, width, slots.PACK_BLOCKS[-1]) in shapes
+  assert all(s in ((), (4,), (8,), (16,), *blocks) for s in shapes), shapes
   # The bytes counted are the bytes fetched, against padded rows of the same samples (3 x T + 4 int32).
   fetched_rows = sum(x.nbytes for leaves in fetched for x in leaves if x.shape in blocks)
   assert sum(st["link_bytes/engine_to_host"] for st in stats) == fetched_rows
@@ -225,6 +227,60 @@ def test_a_chunk_fetches_flags_and_finished_rows_not_the_slot_state(monkeypatch)
     for name, value in row.items():
       np.testing.assert_array_equal(value, getattr(host, name)[s], err_msg=name)
       assert np.asarray(value).dtype == getattr(host, name).dtype, name
+
+
+_COLLECTIVE = re.compile(r"= (\(?[^=]*?\)?) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
+                         r"(-start)?\(")
+
+
+def test_finished_rows_stay_on_the_shard_that_generated_them(monkeypatch):
+  # The chunk program moves no finished row between devices: every collective in it carries flags,
+  # counters, sample ids or completion orders, never a [.., 3T + 4] slot row nor packed bytes. Each shard's
+  # packed buffer, read from its own devices, holds exactly the rows of the samples that finished there.
+  mesh_cfg = MeshConfig(data=2, fsdp=2, tensor=2)     # 4 batch shards of 2 slots, each on 2 devices
+  engine = make_engine(mesh_cfg=mesh_cfg)
+  abstract, outs = [], []
+  real = engine.programs.chunk
+  spec_of = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
+
+  def chunk(*args):
+    abstract.append(jax.tree.map(spec_of, args))
+    out = real(*args)
+    outs.append(out[2:7])    # packed bytes [R, W, C], sample ids and shards [O], rows [R], columns [R]
+    return out
+
+  monkeypatch.setattr(engine.programs, "chunk", chunk)
+  engine.add(requests(FORCED))
+  result = engine.run(jax.device_put(params(0), setup(mesh_cfg)[1]), 0, target_groups=1)
+  monkeypatch.undo()
+  hlo = real.lower(*abstract[0]).compile().as_text()
+  collectives = [m.group(1) for m in _COLLECTIVE.finditer(hlo)]
+  assert collectives, "the chunk program has no collective at all: the pattern no longer matches XLA's text"
+  row = 3 * SPEC.seq_len + 4
+  assert not [c for c in collectives if re.search(rf"[,\[]{row}\]", c) or "u8[" in c], collectives
+
+  rows = [jax.tree.map(lambda x: x[i], result.rollout) for i in range(len(result.group_id_b))]
+  rows += [engine_lib._stack([f.row], SPEC.seq_len) for f in engine._finished]
+  rows = {int(r.sample_id_b.reshape(-1)[0]): jax.tree.map(lambda x: np.asarray(x).reshape(-1), r) for r in rows}
+  seen = {}
+  for c, (flat, out_ids, out_shard, out_n, columns) in enumerate(outs):
+    assert flat.sharding.spec[0] == ("data", "fsdp") and flat.shape[0] == 4
+    finished = int(np.sum(out_n))
+    for shard in flat.addressable_shards:    # 8 devices: each shard's bytes on its 2 tensor devices
+      r = shard.index[0].start
+      k, n = int(out_n[r]), int(columns[r])
+      ids = [int(i) for i, s in zip(np.asarray(out_ids)[:finished], np.asarray(out_shard)[:finished]) if s == r]
+      assert len(ids) == k
+      meta, tokens, _, _ = slots.unpack_finished(np.asarray(shard.data)[0][:, :n], k, 0, SPEC.model.vocab_size,
+                                                 SPEC.seq_len)
+      want = [rows[i] for i in ids]
+      np.testing.assert_array_equal(meta[:, 2], [w.response_len_b[0] for w in want])
+      np.testing.assert_array_equal(tokens, np.concatenate(
+          [w.tokens_bt[w.prompt_len_b[0]:w.prompt_len_b[0] + w.response_len_b[0]] for w in want] or [[]]))
+      seen[(c, r)] = ids
+  # Every finished sample came from exactly one shard, and more than one shard finished samples.
+  ids = [i for part in seen.values() for i in part]
+  assert sorted(ids) == sorted(rows) and sum(bool(part) for part in seen.values()) > 1
 
 
 @pytest.mark.parametrize("vocab_size,seq_len", [(100, 40), (2 ** 16 + 7, 300)])

@@ -40,6 +40,10 @@ from rl_fusion_jax.train import step as step_lib
 from rl_fusion_jax.types import Rollout
 
 
+# The engine's device -> host byte counters a step reports (``Engine._read_rows``), as queue/link_bytes/*.
+ENGINE_LINKS = ("engine_to_host", "engine_to_host_padded", "engine_control", "engine_to_host_this_host",
+                "engine_rows_between_hosts_this_host")
+
 def init_policy(setup: Setup, programs: Programs):
   """The starting params on the training layout: the HF weights, or a random init seeded by
   ``cfg.policy_seed`` (``warmup.seed``, else ``run.seed``)."""
@@ -286,10 +290,10 @@ def generation_phase(programs: Programs, state, step: int, timeline: Timeline, r
                  for k in ("decode_chunks", "prefill_calls", "refill_prefills", "prefill_tokens", "prefill_rows",
                            "reprefill_rows", *engine_lib.CHUNK_MOMENTS)},
               # Bytes the engine's fetches moved device -> host: finished rows packed (and what the same rows
-              # padded to seq_len would be), and the per-chunk control numbers (flags, lengths, counters).
+              # padded to seq_len would be), and the per-chunk control numbers (flags, lengths, counters);
+              # what this process read from its devices, and received of the other processes' rows.
               **{f"queue/link_bytes/{k}": float(result.stats.get(f"link_bytes/{k}", 0))
-                 for k in ("engine_to_host", "engine_to_host_padded", "engine_control",
-                           "engine_to_host_this_host")}}
+                 for k in ENGINE_LINKS}}
   return state, result, metrics
 
 
@@ -623,9 +627,7 @@ def rl_step(setup: Setup, programs: Programs, state, ref_resting, step: int, tim
 
 SUMMED_OVER_ROUNDS = ("generate_s", "engine/generated_tokens", "engine/decode_steps", "engine/decode_chunks",
                       "engine/prefill_calls", "engine/refill_prefills", "engine/prefill_tokens",
-                      "engine/prefill_rows", "engine/reprefill_rows", "queue/link_bytes/engine_to_host",
-                      "queue/link_bytes/engine_to_host_padded", "queue/link_bytes/engine_control",
-                      "queue/link_bytes/engine_to_host_this_host",
+                      "engine/prefill_rows", "engine/reprefill_rows", *(f"queue/link_bytes/{k}" for k in ENGINE_LINKS),
                       *(f"engine/{k}" for k in engine_lib.CHUNK_MOMENTS))
 
 

@@ -15,20 +15,23 @@ One run: re-prefill the samples carried in flight from the previous run (host pr
 ``prefill_rows`` rows; none with ``keep_cache``), then chunks (``slots.run_chunk``) until the target is
 met or nothing is left. A chunk is one dispatch and one fetch: the first ``num_slots`` queued requests
 are uploaded with the target (per tracked group, how many samples it still needs); on the device, before
-every decode step, the finished samples move to an outbox and free slots refill from the upload once
+every decode step, the finished samples move to their batch shard's outbox and free slots refill from the upload once
 ``min(prefill_rows, requests left)`` are free (``refill='static'``: only when every slot is free, the
 batch-at-a-time baseline), the samples of a group sharing one forward of their prompt
 (``slots.shared_prompts``), and the chunk ends after ``chunk_steps`` steps, at the step that meets the
 target, when nothing is left, or when the upload is spent and a refill is due. The host then fetches each
-slot's done flag, response length and sample id, the outbox's sample ids and the counters (3 x S + O + 8
-numbers). The finished rows themselves are read after the next chunk is dispatched, so that transfer
-overlaps the decode, and they cross packed: the device concatenates their response tokens, log-probs and
-versions as bytes (``slots.pack_finished``: a token id in as few bytes as the vocabulary needs, the
-log-prob's float32 bits, the version's distance below the chunk's in 2 bytes) and the host fetches the
-blocks that hold them and three numbers per row (finished, prompt length, response length); prompts are
-never sent back, and nothing pads a row to
-``seq_len`` on the link (``link_bytes/engine_to_host`` against ``..._padded``). Nothing is read back per
-token, and the full slot state never is inside a run. The oldest token version of each in-flight sample is kept on the host from
+slot's done flag, response length and sample id, the finished samples' ids and batch shards in completion
+order, each shard's row and column counts and the counters (3 x S + 2 x O + 2 x R + 5 numbers, O = 2 x S).
+The finished rows themselves are read after the next chunk is dispatched, so that transfer overlaps the
+decode, and they cross packed: each batch shard concatenates its own rows' response tokens, log-probs and
+versions as bytes on its own devices (``slots.pack_finished``: a token id in as few bytes as the
+vocabulary needs, the log-prob's float32 bits, the version's distance below the chunk's in 2 bytes; no row
+moves between devices), and each process fetches, of the shards it reads (``_shard_owners``), the blocks
+that hold them and three numbers per row (finished, prompt length, response length); prompts are never
+sent back, and nothing pads a row to ``seq_len`` on the link (``link_bytes/engine_to_host`` against
+``..._padded``). Across processes the shards' bytes are then exchanged, so that every host holds every row
+(``link_bytes/engine_rows_between_hosts_this_host``). Nothing is read back per token, and the full slot
+state never is inside a run. The oldest token version of each in-flight sample is kept on the host from
 the response lengths (each chunk's tokens carry the run's version).
 
 Determinism: the engine's base key comes from ``seed`` and token t of a sample is drawn with key
@@ -60,6 +63,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from rl_fusion_jax import distributed
 from rl_fusion_jax.distributed import fetch, put
 from rl_fusion_jax.rollout import slots
 from rl_fusion_jax.rollout.decode import GenerateSpec
@@ -177,6 +181,7 @@ class Engine:
     self._shards = shards
     self._widths_ready = False                   # every re-prefill width compiled (``_compile_widths``)
     self._blocks_ready = False                   # every block size of the finished buffer compiled
+    self._owners: list[int] | None = None        # the process that reads each batch shard's rows
     # Host view of the slot state as of the last fetch: response lengths and the oldest
     # version among each occupant's generated tokens (None: none yet).
     self._response_len_s = np.zeros((cfg.num_slots,), np.int32)
@@ -186,8 +191,8 @@ class Engine:
     self._occupant: list[Request | None] = [None] * cfg.num_slots
     self._queue: collections.deque[Request] = collections.deque()
     self._finished: list[_Finished] = []
-    self._unread: list = []     # (finished entries, their requests, the chunk's packed rows on the device,
-                                # their columns, the chunk's version)
+    self._unread: list = []     # (finished entries, their requests, the chunk's packed rows on the devices,
+                                # each entry's (shard, outbox row), rows and columns per shard, the version)
     self._ids: set[int] = set()                  # live samples: queued, in flight, or not yet returned
     self._group_added: collections.Counter = collections.Counter()
     self._group_returned: collections.Counter = collections.Counter()
@@ -488,19 +493,29 @@ class Engine:
         params, self._cache, self._state, put(group_s, self.programs.state_shardings.done_s), *args,
         self._rng, version)
     self._read_rows(stats)     # the previous chunk's finished rows: read while this one decodes
-    (done_s, response_len_s, sample_id_s, out_ids, out_n, columns, taken, steps, tokens, refills,
+    (done_s, response_len_s, sample_id_s, out_ids, out_shard, out_n, columns, taken, steps, tokens, refills,
      refill_tokens) = fetch((self._state.done_s, self._state.response_len_s, self._state.sample_id_s, *counters))
     stats["link_bytes/engine_control"] += sum(np.asarray(x).nbytes for x in (
-        done_s, response_len_s, sample_id_s, out_ids, out_n, columns, taken, steps, tokens, refills, refill_tokens))
+        done_s, response_len_s, sample_id_s, out_ids, out_shard, out_n, columns, taken, steps, tokens, refills,
+        refill_tokens))
     by_id = {r.sample_id: r for r in self._occupant if r is not None}
     for _ in range(int(taken)):
       request = self._queue.popleft()
       by_id[request.sample_id] = request
-    out = [by_id[int(sid)] for sid in out_ids[:int(out_n)]]
+    # Each finished sample, in the chunk's completion order, and its (shard, row in the shard's outbox).
+    num_out = int(out_n.sum())
+    out = [by_id[int(sid)] for sid in out_ids[:num_out]]
+    rank = collections.Counter()
+    places = []
+    for r in out_shard[:num_out]:
+      places.append((int(r), rank[int(r)]))
+      rank[int(r)] += 1
+    if [rank[r] for r in range(len(out_n))] != [int(n) for n in out_n]:
+      raise AssertionError(f"engine: finished samples per shard {dict(rank)}, the outboxes hold {list(out_n)}")
     entries = [_Finished((self._chunks, i), r.group_id, None) for i, r in enumerate(out)]
     if entries:
       self._finished.extend(entries)
-      self._unread.append((entries, out, flat, int(columns), policy_version))
+      self._unread.append((entries, out, flat, places, np.array(out_n), np.array(columns), policy_version))
     for s in range(self.cfg.num_slots):
       old = self._occupant[s]
       new = None if done_s[s] else by_id[int(sample_id_s[s])]
@@ -569,31 +584,74 @@ class Engine:
     """Reads the finished rows of every chunk not yet read into its entries, then hands each batch to
     ``on_finished``. Only real tokens cross: the blocks of ``slots.pack_finished``'s buffer that hold each
     row's (finished, prompt length, response length) and the responses; the prompts are the host's.
-    ``stats``: ``link_bytes/engine_to_host`` (bytes fetched) and ``..._padded`` (the same rows at
-    ``seq_len``: 3 per-token fields and 4 scalars, as a padded row would be); ``..._this_host``: what this
-    process fetched, the same figure (every process fetches every row)."""
-    seq_len = self.cfg.spec.seq_len
+
+    Each batch shard packs its own rows on its devices, and a process reads the shards it owns
+    (``_owned_shards``) and nothing of the others. A run across processes then exchanges the shards' bytes
+    between the processes (``distributed.allgather_bytes``), so that every host holds every row.
+
+    ``stats``: ``link_bytes/engine_to_host`` (every shard's blocks, summed over the hosts that read them)
+    and ``..._padded`` (the same rows at ``seq_len``: 3 per-token fields and 4 scalars, as a padded row
+    would be); ``..._this_host``: the blocks this process read from its devices;
+    ``link_bytes/engine_rows_between_hosts_this_host``: the bytes it received from the other processes."""
+    seq_len, vocab = self.cfg.spec.seq_len, self.cfg.spec.model.vocab_size
+    width = slots.wire_format(vocab, seq_len)[2]
     if self._unread and not self._blocks_ready:
       # Every block size once, on the first buffer read (each at least as wide as the largest block): a
       # chunk that later finishes more columns compiles nothing.
       for size in slots.PACK_BLOCKS:
         self.programs.take_block[size](self._unread[0][2], 0)
       self._blocks_ready = True
-    for entries, requests, flat, columns, version in self._unread:
-      blocks = fetch([self.programs.take_block[size](flat, start) for start, size in slots.block_starts(columns)])
-      fetched = sum(b.nbytes for b in blocks)
-      stats["link_bytes/engine_to_host"] += fetched
-      # What this process fetched: every row, on every process (the engine's host state is replicated).
-      stats["link_bytes/engine_to_host_this_host"] += fetched
+    owner = self._shard_owners()
+    me = jax.process_index()
+    for entries, requests, flat, places, out_n, columns, version in self._unread:
+      shards = range(len(out_n))
+      starts = {r: slots.block_starts(int(columns[r])) for r in shards}
+      mine = [r for r in shards if owner[r] == me and out_n[r] > 0]
+      taken = {b: self.programs.take_block[b[1]](flat, b[0]) for r in mine for b in starts[r]}
+      local = {b: {s.index[0].start or 0: s.data for s in block.addressable_shards} for b, block in taken.items()}
+      # One read of this process's own shards' blocks ([1, W, size] each), nothing of another shard's.
+      read = jax.device_get([[local[b][r] for b in starts[r]] for r in mine])
+      bytes_r = {r: np.concatenate([x[0] for x in blocks], axis=1)[:, :int(columns[r])]
+                 for r, blocks in zip(mine, read)}
+      stats["link_bytes/engine_to_host"] += width * sum(size for r in shards for _, size in starts[r])
+      stats["link_bytes/engine_to_host_this_host"] += width * sum(size for r in mine for _, size in starts[r])
       stats["link_bytes/engine_to_host_padded"] += len(entries) * (3 * seq_len + 4) * 4
-      unpacked = slots.unpack_finished(np.concatenate(blocks, axis=1)[:, :columns], len(entries), version,
-                                       self.cfg.spec.model.vocab_size, seq_len)
-      for f, row in zip(entries, _unpack_rows(*unpacked, requests, seq_len)):
-        f.row = row
+      if len(set(owner)) > 1:   # the other processes' shards, from them (every process calls this)
+        sizes = [width * sum(int(columns[r]) for r in shards if owner[r] == p) for p in range(jax.process_count())]
+        payload = np.concatenate([bytes_r[r].reshape(-1) for r in mine] or [np.zeros((0,), np.uint8)])
+        received = distributed.allgather_bytes(payload, sizes)
+        stats["link_bytes/engine_rows_between_hosts_this_host"] += sum(sizes) - sizes[me]
+        for p, data in enumerate(received):
+          offset = 0
+          for r in (r for r in shards if owner[r] == p and p != me):
+            n = width * int(columns[r])
+            bytes_r[r] = data[offset:offset + n].reshape(width, int(columns[r]))
+            offset += n
+      index = {place: i for i, place in enumerate(places)}
+      for r in shards:
+        if out_n[r] == 0:
+          continue
+        at = [index[(r, k)] for k in range(int(out_n[r]))]
+        unpacked = slots.unpack_finished(bytes_r[r], len(at), version, vocab, seq_len)
+        for i, row in zip(at, _unpack_rows(*unpacked, [requests[i] for i in at], seq_len)):
+          entries[i].row = row
       if self.on_finished is not None:
         self.on_finished(_stack([f.row for f in entries], self.cfg.spec.seq_len),
                          np.asarray([f.group_id for f in entries], np.int32))
     self._unread = []
+
+  def _shard_owners(self) -> list[int]:
+    """The process that reads each batch shard's finished rows: the lowest-numbered process holding one of
+    the shard's devices (a shard replicated over a tensor axis that spans processes is read once)."""
+    if self._owners is None:
+      sharding = self.programs.shard_bytes
+      shards = batch_shards(sharding.mesh)
+      owners = [None] * shards
+      for device, index in sharding.devices_indices_map((shards, 1, 1)).items():
+        r = index[0].start or 0
+        owners[r] = min(device.process_index, owners[r] if owners[r] is not None else device.process_index)
+      self._owners = owners
+    return self._owners
 
   def _reprefill(self, params, stats) -> None:
     """Recomputes the KV of every in-flight prefix (prompt + response so far) under ``params``: calls of

@@ -12,7 +12,8 @@ return them, so a refill never reallocates anything and shapes never change:
   (``steps`` is a traced scalar, so one compile serves every chunk size), refilling free slots from an
   uploaded slice of the queue inside the loop (a ``prefill`` of ``rows`` rows at the prompt width, or with
   ``narrow_refills`` at the narrowest prompt width that holds the admitted prompts, chosen at run time among
-  the compiled ones: one forward per width in the program), moving finished samples to an outbox, and
+  the compiled ones: one forward per width in the program), moving finished samples to the outbox of
+  their batch shard (a row never leaves the devices that generated it; ``pack_finished`` runs per shard), and
   ending once a target of complete groups or finished samples is met (``ChunkTarget``), when nothing
   is left, or when the upload is spent. Every token, the first included, is sampled in a decode step:
   prefill only fills the cache, so a sample's token t is always drawn from the logits of one decode
@@ -31,13 +32,14 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from rl_fusion_jax import models, shared_programs
 from rl_fusion_jax.rollout import decode as decode_lib
 # SlotState and empty_slots are part of this module's interface (the engine reads slots.SlotState).
 from rl_fusion_jax.rollout.decode import GenerateSpec, SlotState, empty_slots
-from rl_fusion_jax.sharding.mesh import batch_sharding, batch_shards, replicated
+from rl_fusion_jax.sharding.mesh import BATCH_AXES, batch_sharding, batch_shards, replicated
 from rl_fusion_jax.sharding.expert_parallel import with_expert_parallel
 from rl_fusion_jax.sharding.rules import GENERATE_RULES, Rules, cache_sharding
 
@@ -175,20 +177,36 @@ class _Carry:
   state: SlotState
   cache: dict
   ptr: jax.Array          # requests of ``Pending`` taken so far
-  outbox: jax.Array       # [O, 3T + 4] rows of the samples that finished in this chunk, in that order
-  out_n: jax.Array
+  outbox: jax.Array       # [R, O, 3T + 4]: each batch shard's rows of the samples that finished there
+  out_order: jax.Array    # [R, O]: each outbox row's place in the chunk's completion order (every shard)
+  out_n: jax.Array        # [R]: outbox rows per batch shard
   live_s: jax.Array       # the slot holds a sample not yet moved to the outbox
   group_s: jax.Array      # its group's index in the chunk's group table (G: none)
   remaining_g: jax.Array
   filling: jax.Array      # a static refill is under way
 
 
-def _move_done(c: _Carry) -> _Carry:
-  """Moves every finished sample still in its slot to the outbox (slot order), freeing the slot."""
+def _move_local(outbox, out_order, out_n, rows_sc, order_s, move_s):
+  """``_move_done`` on one batch shard (under ``shard_map``): its outbox [1, O, C], orders [1, O] and count
+  [1]; its slots' rows [S/R, C], completion orders and move flags [S/R]."""
+  pos_s = jnp.where(move_s, out_n[0] + jnp.cumsum(move_s, dtype=jnp.int32) - 1, outbox.shape[1])
+  return (outbox.at[0, pos_s].set(rows_sc, mode="drop"), out_order.at[0, pos_s].set(order_s, mode="drop"),
+          out_n + jnp.sum(move_s, dtype=jnp.int32))
+
+
+def _move_done(move_local, c: _Carry) -> _Carry:
+  """Moves every finished sample still in its slot to its batch shard's outbox, freeing the slot. Rows
+  never leave their shard; their places in the completion order (slot order within one move) do."""
   move_s = c.state.done_s & c.live_s
-  pos_s = jnp.where(move_s, c.out_n + jnp.cumsum(move_s, dtype=jnp.int32) - 1, c.outbox.shape[0])
-  outbox = c.outbox.at[pos_s].set(pack_rows(c.state), mode="drop")
-  return c.replace(outbox=outbox, out_n=c.out_n + jnp.sum(move_s, dtype=jnp.int32), live_s=c.live_s & ~move_s)
+  order_s = jnp.sum(c.out_n) + jnp.cumsum(move_s, dtype=jnp.int32) - 1
+  outbox, out_order, out_n = move_local(c.outbox, c.out_order, c.out_n, pack_rows(c.state), order_s, move_s)
+  return c.replace(outbox=outbox, out_order=out_order, out_n=out_n, live_s=c.live_s & ~move_s)
+
+
+def _pack_local(max_new_tokens: int, vocab_size: int, outbox, out_n, version):
+  """``pack_finished`` on one batch shard's outbox (under ``shard_map``) -> ([1, W, C] bytes, [1] columns)."""
+  flat, columns = pack_finished(outbox[0], out_n[0], max_new_tokens, version, vocab_size)
+  return flat[None], columns[None]
 
 
 def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique: int, static: bool, row_shardings,
@@ -203,14 +221,27 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique
   its forward: a refill runs it on ``unique`` rows and admits the longest run of requests whose distinct
   prompts fit (``shared_prompts``). The chunk ends after ``steps`` steps, once ``target`` is
   met, when nothing is left to decode or admit, or when the host must upload more requests. Finished
-  samples are then all in the outbox, so every done slot is free. Returns (state, cache, the outbox packed
-  by ``pack_finished`` ([W, C] bytes), its sample ids [O], number of outbox rows, the columns of the packed
-  buffer they fill, requests taken from ``pending``, decode steps, tokens sampled, refill prefills, and
-  the rows x width they processed).
+  samples are then all in the outbox, so every done slot is free.
+
+  The outbox is one per batch shard (R = data x fsdp shards of the slots): a finished row stays on the
+  devices of the shard that generated it, and each shard packs its own (``pack_finished``), so no device
+  gathers another shard's rows (a host reads the shards it holds). What every host learns of every row is
+  its sample id and its place in the chunk's completion order.
+
+  Returns (state, cache, each shard's outbox packed by ``pack_finished`` ([R, W, C] bytes, split over the
+  batch axes), the finished samples' ids and shards in completion order ([S + pending] each; the first
+  ``sum(rows)`` are set), outbox rows per shard [R], the columns of each shard's packed buffer they fill
+  [R], requests taken from ``pending``, decode steps, tokens sampled, refill prefills, and the rows x width
+  they processed).
   """
   num_slots = state.done_s.shape[0]
   num_pending = pending.sample_id_q.shape[0]
   num_groups = target.remaining_g.shape[0]
+  mesh = row_shardings[0].mesh
+  shards = batch_shards(mesh)
+  b1, b2, b3 = (P(BATCH_AXES, *[None] * (n - 1)) for n in (1, 2, 3))
+  move_done = functools.partial(_move_done, jax.shard_map(
+      _move_local, mesh=mesh, in_specs=(b3, b2, b1, b2, b1, b1), out_specs=(b3, b2, b1), check_vma=False))
   # Each layer's kernels cast to the matmul dtype once for the chunk, not in every step and refill.
   params = models.decoding_params(spec.model, params)
   left = lambda c: pending.count - c.ptr
@@ -222,7 +253,7 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique
     return (left(c) > 0) & (free > 0) & enough
 
   def refill_once(c):
-    c = _move_done(c)
+    c = move_done(c)
     free_s = c.state.done_s
     k = jnp.minimum(jnp.minimum(rows, jnp.sum(free_s, dtype=jnp.int32)), left(c))
     index_r = c.ptr + jnp.arange(rows, dtype=jnp.int32)
@@ -268,7 +299,7 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique
 
   def met(c):
     complete_g = c.remaining_g <= 0
-    done = c.out_n + jnp.sum(c.state.done_s & c.live_s, dtype=jnp.int32)
+    done = jnp.sum(c.out_n) + jnp.sum(c.state.done_s & c.live_s, dtype=jnp.int32)
     return (target.armed & ~target.blocked & (jnp.sum(complete_g, dtype=jnp.int32) >= target.need_groups)
             & jnp.all(complete_g | ~target.awaited_g) & (done >= target.need_samples))
 
@@ -294,14 +325,31 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique
     return decode(jax.lax.while_loop(can_refill, refill_once, c).replace(filling=False))
 
   zero = jnp.zeros((), jnp.int32)
-  outbox = jnp.zeros((num_slots + num_pending, 3 * state.tokens_st.shape[1] + 4), jnp.int32)
+  # A shard's outbox holds its slots' samples and every request the chunk could admit to them.
+  per_shard = num_slots // shards + num_pending
+  on_shards = lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  outbox = on_shards(jnp.zeros((shards, per_shard, 3 * state.tokens_st.shape[1] + 4), jnp.int32), b3)
+  out_order = on_shards(jnp.zeros((shards, per_shard), jnp.int32), b2)
   c = _Carry(step=zero, tokens=zero, refills=zero, refill_tokens=zero, state=state, cache=cache, ptr=zero, outbox=outbox,
-             out_n=zero, live_s=~state.done_s, group_s=group_s, remaining_g=target.remaining_g,
-             filling=jnp.zeros((), bool))
-  c = _move_done(jax.lax.while_loop(cond, body, c))
-  out_ids = c.outbox[:, -1]     # the sample ids (pack_rows' last column): what the host reads of the outbox
-  flat, columns = pack_finished(c.outbox, c.out_n, spec.max_new_tokens, version, spec.model.vocab_size)
-  return (c.state, c.cache, flat, out_ids, c.out_n, columns, c.ptr, c.step, c.tokens, c.refills, c.refill_tokens)
+             out_order=out_order, out_n=on_shards(jnp.zeros((shards,), jnp.int32), b1), live_s=~state.done_s,
+             group_s=group_s, remaining_g=target.remaining_g, filling=jnp.zeros((), bool))
+  c = move_done(jax.lax.while_loop(cond, body, c))
+  # What every host reads of the outboxes: each finished sample's id (pack_rows' last column) and shard,
+  # in the chunk's completion order [S + pending].
+  order_ro = jnp.where(jnp.arange(per_shard) < c.out_n[:, None], c.out_order, num_slots + num_pending)
+  put_o = lambda x, dtype: jnp.zeros((num_slots + num_pending,), dtype).at[order_ro].set(x.astype(dtype), mode="drop")
+  out_ids = put_o(c.outbox[:, :, -1], jnp.int32)
+  out_shard = put_o(jnp.broadcast_to(jnp.arange(shards)[:, None], order_ro.shape), shard_dtype(shards))
+  pack = jax.shard_map(functools.partial(_pack_local, spec.max_new_tokens, spec.model.vocab_size), mesh=mesh,
+                       in_specs=(b3, b1, P()), out_specs=(b3, b1), check_vma=False)
+  flat, columns = pack(c.outbox, c.out_n, version)
+  return (c.state, c.cache, flat, out_ids, out_shard, c.out_n, columns, c.ptr, c.step, c.tokens, c.refills,
+          c.refill_tokens)
+
+
+def shard_dtype(shards: int):
+  """The narrowest integer type that numbers ``shards`` batch shards (what a chunk's ``out_shard`` is)."""
+  return jnp.int8 if shards <= 127 else jnp.int16 if shards <= 32767 else jnp.int32
 
 
 # The host fetches ``pack_finished``'s buffer in blocks of these sizes (columns): as many large blocks as
@@ -395,8 +443,8 @@ def block_starts(n: int) -> list[tuple[int, int]]:
 
 
 def take_block(flat, start, size: int):
-  """Columns [start, start + size) of ``pack_finished``'s buffer: [W, size]."""
-  return jax.lax.dynamic_slice_in_dim(flat, start, size, axis=1)
+  """Columns [start, start + size) of every shard's ``pack_finished`` buffer: [R, W, size]."""
+  return jax.lax.dynamic_slice_in_dim(flat, start, size, axis=2)
 
 
 def prefill_widths(max_prompt_len: int, seq_len: int) -> tuple[int, ...]:
@@ -448,6 +496,7 @@ class SlotPrograms:
     ep = lambda fn: with_expert_parallel(fn, spec.model, mesh, rules)
     self.row_shardings = (b1, b1, b2, b1, b1, b1)
     self.replicated = rep
+    self.shard_bytes = batch_sharding(mesh, 3)   # the chunk's packed finished rows: [R, W, C], a shard each
     self.state_shardings = state_sh = decode_lib.state_shardings(mesh)
     cache_sh = self.cache_sharding
     self.widths = prefill_widths(spec.max_prompt_len, spec.seq_len)
@@ -463,8 +512,10 @@ class SlotPrograms:
         ep(functools.partial(run_chunk, spec, self.new_widths, rows, self.unique_rows, static, (b1, b2))),
         donate_argnums=(1, 2),
         in_shardings=(param_shardings, cache_sh, state_sh, b1, rep, rep, rep, rep, rep),
-        out_shardings=(state_sh, cache_sh) + (rep,) * 9)
-    self.take_block = {size: jax.jit(functools.partial(take_block, size=size), out_shardings=rep)
+        out_shardings=(state_sh, cache_sh, self.shard_bytes) + (rep,) * 9)
+    # A block of every shard's packed buffer, each shard's part left on its devices (hosts read the shards
+    # they hold).
+    self.take_block = {size: jax.jit(functools.partial(take_block, size=size), out_shardings=self.shard_bytes)
                        for size in PACK_BLOCKS}
     self.init_cache = jax.jit(functools.partial(models.init_cache, spec.model, num_slots, spec.seq_len),
                               out_shardings=cache_sh)
