@@ -243,10 +243,16 @@ def fetch(tree):
                       else jax.device_get(x), tree)
 
 
+def padded_bytes(n: int) -> int:
+  """The length a variable-size byte exchange pads ``n`` bytes to: a power of two of at least 1,024, so
+  that the collectives' programs come in a few shapes (compiled once each), not one per call."""
+  return max(1024, 1 << max(int(n) - 1, 0).bit_length())
+
+
 def allgather_bytes(payload: np.ndarray, sizes) -> list[np.ndarray]:
   """Every process's ``payload`` (uint8 [sizes[p]] on process p; ``sizes`` known to every process) -> the
-  list of them, on every process. A collective (``process_allgather`` of the payloads padded to the
-  largest): every process calls it in the same order."""
+  list of them, on every process. A collective (``process_allgather`` of the payloads padded to
+  ``padded_bytes`` of the largest): every process calls it in the same order."""
   import jax  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
 
@@ -254,7 +260,7 @@ def allgather_bytes(payload: np.ndarray, sizes) -> list[np.ndarray]:
   if payload.size != sizes[jax.process_index()]:
     raise ValueError(f"allgather_bytes: {payload.size} bytes from process {jax.process_index()}, "
                      f"{sizes[jax.process_index()]} announced")
-  padded = np.zeros((max(max(sizes), 1),), np.uint8)
+  padded = np.zeros((padded_bytes(max(sizes)),), np.uint8)
   padded[:payload.size] = payload
   gathered = np.asarray(multihost_utils.process_allgather(padded))
   return [gathered[p, :n] for p, n in enumerate(sizes)]

@@ -265,12 +265,13 @@ def test_deployment_modes_across_processes_equal_one_process(tmp_path, mode):
       # of two. Each shard packs its own finished rows, and each process reads its own shard's blocks only
       # (one process reads both): what the hosts read sums to the run's figure, the same as one process's.
       # The other shard's rows then come from the other process (every host still holds every row: the
-      # engine's host state and the queue are replicated), at most the blocks' bytes.
+      # engine's host state and the queue are replicated), one collective whose payloads are padded to
+      # the same power of two on both hosts.
       fetch, between = "queue/link_bytes/engine_to_host", "queue/link_bytes/engine_rows_between_hosts"
       if fetch in rb or not stalesync:      # StaleSync skips the rollout phase when the queue fills the update
         assert ra[f"{fetch}_this_host"] == ra[fetch] == rb[fetch] > 0 and ra[f"{between}_this_host"] == 0
         assert rb[f"{fetch}_hosts_sum"] == rb[fetch] > rb[f"{fetch}_this_host"] > 0
-        assert 0 < rb[f"{between}_this_host"] < rb[f"{between}_hosts_sum"] <= rb[fetch]
+        assert 0 < rb[f"{between}_this_host"] and rb[f"{between}_hosts_sum"] == 2 * rb[f"{between}_this_host"]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -592,7 +592,8 @@ class Engine:
     ``stats``: ``link_bytes/engine_to_host`` (every shard's blocks, summed over the hosts that read them)
     and ``..._padded`` (the same rows at ``seq_len``: 3 per-token fields and 4 scalars, as a padded row
     would be); ``..._this_host``: the blocks this process read from its devices;
-    ``link_bytes/engine_rows_between_hosts_this_host``: the bytes it received from the other processes."""
+    ``link_bytes/engine_rows_between_hosts_this_host``: the bytes it received from the other processes
+    (their payloads padded to ``distributed.padded_bytes``, as the collective moves them)."""
     seq_len, vocab = self.cfg.spec.seq_len, self.cfg.spec.model.vocab_size
     width = slots.wire_format(vocab, seq_len)[2]
     if self._unread and not self._blocks_ready:
@@ -620,7 +621,9 @@ class Engine:
         sizes = [width * sum(int(columns[r]) for r in shards if owner[r] == p) for p in range(jax.process_count())]
         payload = np.concatenate([bytes_r[r].reshape(-1) for r in mine] or [np.zeros((0,), np.uint8)])
         received = distributed.allgather_bytes(payload, sizes)
-        stats["link_bytes/engine_rows_between_hosts_this_host"] += sum(sizes) - sizes[me]
+        # What crossed to this host: the other processes' payloads, each padded as the collective pads it.
+        stats["link_bytes/engine_rows_between_hosts_this_host"] += (
+            (len(sizes) - 1) * distributed.padded_bytes(max(sizes)))
         for p, data in enumerate(received):
           offset = 0
           for r in (r for r in shards if owner[r] == p and p != me):
