@@ -244,9 +244,9 @@ def fetch(tree):
 
 
 def padded_bytes(n: int) -> int:
-  """The length a variable-size byte exchange pads ``n`` bytes to: a power of two of at least 1,024, so
+  """The length a variable-size byte exchange pads ``n`` bytes to: a power of two of at least 256, so
   that the collectives' programs come in a few shapes (compiled once each), not one per call."""
-  return max(1024, 1 << max(int(n) - 1, 0).bit_length())
+  return max(256, 1 << max(int(n) - 1, 0).bit_length())
 
 
 def allgather_bytes(payload: np.ndarray, sizes) -> list[np.ndarray]:
@@ -264,6 +264,50 @@ def allgather_bytes(payload: np.ndarray, sizes) -> list[np.ndarray]:
   padded[:payload.size] = payload
   gathered = np.asarray(multihost_utils.process_allgather(padded))
   return [gathered[p, :n] for p, n in enumerate(sizes)]
+
+
+_ALL_TO_ALL: dict = {}
+
+
+def _all_to_all(count: int, width: int):
+  """(jitted all-to-all of [count, count, width] bytes over one device per process, its sharding, this
+  process's device in it), made once per shape."""
+  key = (count, width)
+  if key not in _ALL_TO_ALL:
+    import jax  # pylint: disable=g-import-not-at-top
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+    devices = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in range(count)]
+    mesh = Mesh(np.asarray(devices), ("process",))
+    move = lambda x: jax.lax.all_to_all(x, "process", 1, 0, tiled=True)
+    fn = jax.jit(jax.shard_map(move, mesh=mesh, in_specs=PartitionSpec("process"),
+                               out_specs=PartitionSpec("process")))
+    _ALL_TO_ALL[key] = (fn, NamedSharding(mesh, PartitionSpec("process")), devices[jax.process_index()])
+  return _ALL_TO_ALL[key]
+
+
+def send_bytes(payloads, sizes) -> list[np.ndarray]:
+  """Point to point between processes: this process sends ``payloads[q]`` (uint8) to process q and gets
+  what each process p sent it (``sizes[p][me]`` bytes from p; its own entry is its ``payloads[me]``).
+  ``sizes[p][q]``: the bytes p sends q, known to every process (the same on all). One all-to-all over one
+  device per process, each payload padded to ``padded_bytes`` of the largest: a collective every process
+  calls in the same order; none when nothing is sent."""
+  import jax  # pylint: disable=g-import-not-at-top
+  me, count = jax.process_index(), jax.process_count()
+  sizes = np.asarray(sizes, np.int64).reshape(count, count)
+  payloads = [np.asarray(x, np.uint8).reshape(-1) for x in payloads]
+  if [x.size for x in payloads] != sizes[me].tolist():
+    raise ValueError(f"send_bytes: process {me} sends {[x.size for x in payloads]} bytes, "
+                     f"{sizes[me].tolist()} announced")
+  if count == 1 or not sizes.any():
+    return [payloads[me] if p == me else np.zeros((0,), np.uint8) for p in range(count)]
+  width = padded_bytes(sizes.max())
+  local = np.zeros((1, count, width), np.uint8)
+  for q, x in enumerate(payloads):
+    local[0, q, :x.size] = x
+  fn, sharding, device = _all_to_all(count, width)
+  x = jax.make_array_from_single_device_arrays((count, count, width), sharding, [jax.device_put(local, device)])
+  received = np.asarray(fn(x).addressable_shards[0].data)[:, 0]     # [count, width]: row p from process p
+  return [received[p, :sizes[p, me]] for p in range(count)]
 
 
 def broadcast_error(name: str, error: BaseException | None, timeout_s: int = 600) -> None:

@@ -246,7 +246,7 @@ def test_finished_rows_stay_on_the_shard_that_generated_them(monkeypatch):
   def chunk(*args):
     abstract.append(jax.tree.map(spec_of, args))
     out = real(*args)
-    outs.append(out[2:7])    # packed bytes [R, W, C], sample ids and shards [O], rows [R], columns [R]
+    outs.append(out[2:8])    # packed bytes [R, W, C], sample ids, shards, lengths [O], rows [R], columns [R]
     return out
 
   monkeypatch.setattr(engine.programs, "chunk", chunk)
@@ -263,7 +263,7 @@ def test_finished_rows_stay_on_the_shard_that_generated_them(monkeypatch):
   rows += [engine_lib._stack([f.row], SPEC.seq_len) for f in engine._finished]
   rows = {int(r.sample_id_b.reshape(-1)[0]): jax.tree.map(lambda x: np.asarray(x).reshape(-1), r) for r in rows}
   seen = {}
-  for c, (flat, out_ids, out_shard, out_n, columns) in enumerate(outs):
+  for c, (flat, out_ids, out_shard, out_len, out_n, columns) in enumerate(outs):
     assert flat.sharding.spec[0] == ("data", "fsdp") and flat.shape[0] == 4
     finished = int(np.sum(out_n))
     for shard in flat.addressable_shards:    # 8 devices: each shard's bytes on its 2 tensor devices
@@ -275,6 +275,9 @@ def test_finished_rows_stay_on_the_shard_that_generated_them(monkeypatch):
                                                  SPEC.seq_len)
       want = [rows[i] for i in ids]
       np.testing.assert_array_equal(meta[:, 2], [w.response_len_b[0] for w in want])
+      # What every host is told of each finished sample: 2 x response length + finished flag.
+      codes = [int(x) for x, s in zip(np.asarray(out_len)[:finished], np.asarray(out_shard)[:finished]) if s == r]
+      assert codes == [2 * int(w.response_len_b[0]) + int(w.finished_b[0]) for w in want]
       np.testing.assert_array_equal(tokens, np.concatenate(
           [w.tokens_bt[w.prompt_len_b[0]:w.prompt_len_b[0] + w.response_len_b[0]] for w in want] or [[]]))
       seen[(c, r)] = ids

@@ -82,8 +82,10 @@ def test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics(tm
   while generating; the reference is checkpointed and restored): 2 processes equal 1, also after process 1
   is killed and the same two commands resume. (Synchronous colocated runs across processes: the StaleSync
   tests below run colocated; the other modes: test_deployment_modes_across_processes_equal_one_process.)"""
-  # A 4 s heartbeat timeout (the binaries' default is 10 s): the survivor notices the kill sooner.
-  steps, extra = 6, ["--config.fusion.mode=full", "--heartbeat_timeout_s=4"]
+  # A 4 s heartbeat timeout (the binaries' default is 10 s): the survivor notices the kill sooner. 32 slots
+  # for 128 samples: the engine refills them as samples finish, so a sample's slot (and process) is not
+  # the process whose devices train on it, and some rows move between the processes.
+  steps, extra = 6, ["--config.fusion.mode=full", "--heartbeat_timeout_s=4", "--config.rollout.num_slots=32"]
   reference = _run(tmp_path, "one", 1, 4, variant=":kl", steps=steps, extra=extra)
 
   # Two processes; process 1 is killed once step 3 is recorded (after the checkpoint of step 2).
@@ -112,6 +114,19 @@ def test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics(tm
   assert codes == [0, 0], "\n".join(run.log(i)[-3000:] for i in range(2))
   assert "resumed from rl checkpoint" in run.log(0)
   _assert_same_metrics(reference, workdir)
+  # Rows by process (Engine.local_rows): each process read its own engine shards' rows only (half the
+  # blocks), no row was exchanged wholesale, and what crossed between the hosts were the rows a process's
+  # devices train on that the other process had generated: some, on some step.
+  for rows, processes in ((_metrics(reference), 1), (_metrics(workdir), 2)):
+    rows = [r for r in rows if "loss" in r]
+    fetch, between = "queue/link_bytes/engine_to_host", "queue/link_bytes/rows_between_hosts"
+    sums = [r.get(f"{fetch}_hosts_sum", r[f"{fetch}_this_host"]) for r in rows]
+    assert all(s == r[fetch] > 0 and (processes == 1) == (r[f"{fetch}_this_host"] == s) for s, r in zip(sums, rows))
+    assert all(r["queue/link_bytes/engine_rows_between_hosts_this_host"] == 0 for r in rows)
+    if processes == 1:
+      assert not any(f"{between}_this_host" in r for r in rows)
+    else:
+      assert any(r[f"{between}_this_host"] > 0 for r in rows), [r[f"{between}_this_host"] for r in rows]
   summary, ref_summary = (json.load(open(os.path.join(d, "summary.json"))) for d in (workdir, reference))
   assert summary == ref_summary
   # Process 0 wrote every file; the timeline has a lane for process 1's phases.

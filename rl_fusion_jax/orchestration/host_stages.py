@@ -9,8 +9,9 @@ looked up by sample id, the rest are computed on the spot. A sample's problem is
 its group id, as everywhere in the loop.
 
 In a run of several processes (``share``), each process decodes and scores only the samples it owns
-(``processes.Share``: sample id mod process count) and ``scores`` exchanges the results, so every
-process returns the whole batch's scores while the host work is split, not repeated.
+(``processes.Share``: the process holding its row under ``Engine.local_rows``, else sample id mod process
+count) and ``scores`` exchanges the results, so every process returns the whole batch's scores while the
+host work is split, not repeated.
 """
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ timeline phases are gathered into process 0's file (``ProcessTimeline.gather``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -132,6 +133,16 @@ def _validate(cfg: ExperimentConfig, workdir: str, tensorboard: bool) -> Setup:
   return setup
 
 
+def local_rows(cfg, programs) -> bool:
+  """Whether the run's engine keeps each process's rows on that process (``Engine.local_rows``): runs
+  across processes of the synchronous step with the padded update in ``colocated`` or ``full`` mode. The
+  other schedules and layouts (StaleSync's queue, packed rows, hybrid's aux stage, dynamic sampling) still
+  read every row on every process."""
+  return (distributed.process_count() > 1 and programs.deployment.mode in ("colocated", "full")
+          and not cfg.stalesync.enabled and not programs.packed_inputs and not cfg.algo.dynamic_sampling
+          and programs.aux_stage is None)
+
+
 def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False,
         resume_overrides: Sequence[str] = (), export_hf: str = "") -> dict[str, Any]:
   """Runs (or resumes) the experiment in ``workdir``; returns the summary also written to summary.json.
@@ -157,8 +168,14 @@ def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False,
     stack.callback(programs.verify.close)   # the verify stage's worker threads end with the run
     if programs.aux_stage is not None:
       stack.callback(programs.aux_stage.close)
-    programs.verify.share = processes.Share.of_run()   # host scoring split by sample over the processes
     d = programs.deployment
+    share = processes.Share.of_run()   # host scoring split by sample over the processes
+    if local_rows(cfg, programs):
+      # Each process keeps the responses of the engine shards it reads; scoring follows the rows, and the
+      # update's rows come from their holders (phases.train_phase).
+      programs.engine.local_rows = True
+      share = dataclasses.replace(share, readers=programs.engine.readers)
+    programs.verify.share = share
     logging.info("mode %s: rollout mesh %s, training mesh %s (%s)", d.mode, dict(d.rollout_mesh.shape),
                  dict(d.train_mesh.shape), jax.devices()[0].platform)
     timeline = processes.ProcessTimeline(timeline_path(workdir), d.groups)

@@ -27,6 +27,7 @@ from rl_fusion_jax.algorithms import dapo
 from rl_fusion_jax.orchestration import advantage_stage, data, processes
 from rl_fusion_jax.orchestration.programs import Programs
 from rl_fusion_jax.orchestration.setup import Setup
+from rl_fusion_jax.queue import global_batch
 from rl_fusion_jax.rewards.base import pass_at_k, score_batch
 from rl_fusion_jax.rollout import workload
 from rl_fusion_jax.rollout import engine as engine_lib
@@ -487,6 +488,11 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
     rm_args = lambda: (programs.packed_reward_score, programs.reward_model[1]) + aux_rows()
   else:
     if device_rollout is None:
+      if programs.engine.local_rows:   # the responses this process's devices train on, from their holders
+        need = global_batch.rows_by_process(mesh_lib.batch_sharding(programs.mesh, 1), len(length_b),
+                                            distributed.process_count())
+        rollout, crossed = processes.fill_rows(programs.verify.share, rollout, need)
+        metrics["queue/link_bytes/rows_between_hosts_this_host"] = float(crossed)
       device_rollout = jax.tree.map(lambda x: data.to_global(programs.mesh, x), rollout)
     device_rollout = cut_width(device_rollout, width)
     aux_tokens = functools.cache(lambda: _on_aux(programs, device_rollout.tokens_bt, rollout.tokens_bt))

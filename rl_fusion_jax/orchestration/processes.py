@@ -5,6 +5,8 @@ or meet (through ``distributed.exchange``, the coordination service's key-value 
 device work), each a no-op in a one-process run:
   * ``Share`` / ``gather_rows``: each process decodes and scores the samples it owns, then all exchange
     the results;
+  * ``fill_rows``: where each process holds only the rows it read (``Engine.local_rows``), each process
+    receives from their holders the rows its devices train on, and no other;
   * ``reduce_metrics``: the step's metrics of every process -> the run's (queue transfer counters summed,
     own shares averaged, times the slowest process's);
   * ``run_queue_counters`` / ``local_queue_counters``: the queue counters a checkpoint saves are the run's;
@@ -27,13 +29,25 @@ from rl_fusion_jax.timeline import Timeline
 
 @dataclasses.dataclass(frozen=True)
 class Share:
-  """Which samples this process owns for host work: ``sample_id % count == index`` (every sample exactly
-  one owner; a group's consecutive ids spread over the processes). ``Share()`` (one process) owns all."""
+  """Which samples this process owns for host work: the process holding the sample's row where
+  ``readers`` (sample id -> process; the engine's ``readers`` under ``Engine.local_rows``) knows it, else
+  ``sample_id % count == index`` (every sample exactly one owner; a group's consecutive ids spread over
+  the processes). ``Share()`` (one process) owns all."""
   index: int = 0
   count: int = 1
+  readers: dict | None = dataclasses.field(default=None, compare=False, hash=False)
+
+  def owner(self, sample_ids) -> np.ndarray:
+    """The process that owns each of ``sample_ids``."""
+    ids = np.asarray(sample_ids, np.int64)
+    out = ids % self.count
+    if self.readers:
+      known = [i for i, s in enumerate(ids.tolist()) if s in self.readers]
+      out[known] = [self.readers[int(ids[i])] for i in known]
+    return out
 
   def owns(self, sample_ids) -> np.ndarray:
-    return np.asarray(sample_ids, np.int64) % self.count == self.index
+    return self.owner(sample_ids) == self.index
 
   @classmethod
   def of_run(cls) -> "Share":
@@ -60,15 +74,56 @@ def gather_rows(name: str, share: Share, sample_ids, arrays, timeout_s: int = 60
   arrays = [np.asarray(a) for a in arrays]
   if share.count == 1:
     return arrays
-  mine = share.owns(sample_ids)
-  texts = exchange(f"rows/{name}", _encode([a[mine] for a in arrays]), timeout_s)
+  owner = share.owner(sample_ids)
+  texts = exchange(f"rows/{name}", _encode([a[owner == share.index] for a in arrays]), timeout_s)
   out = [np.array(a) for a in arrays]
   for p, text in enumerate(texts):
     if p != share.index:
-      theirs = Share(p, share.count).owns(sample_ids)
       for o, g in zip(out, _decode(text)):
-        o[theirs] = g
+        o[owner == p] = g
   return out
+
+
+# A response token's bytes when rows move between processes: its id (int32), log-prob (float32) and
+# version (int32).
+ROW_TOKEN_BYTES = 12
+
+
+def fill_rows(share: Share, rollout, need) -> tuple:
+  """A host Rollout whose responses are held by their owners (``share.owner``; the other rows carry prompt
+  and lengths only) -> (the same rollout with the responses of the rows ``need[share.index]`` marks filled
+  in from their owners, the bytes that crossed to this process). ``need[p]``: bool [B], the rows process p
+  needs; every process passes the same ``need``. Each owner sends each process exactly the rows it needs
+  (``distributed.send_bytes``), so no process receives a row it does not need."""
+  from rl_fusion_jax import distributed  # pylint: disable=g-import-not-at-top
+  if share.count == 1:
+    return rollout, 0
+  need = np.asarray(need, bool)
+  owner = share.owner(rollout.sample_id_b)
+  start_b = np.asarray(rollout.prompt_len_b, np.int64)
+  len_b = np.asarray(rollout.response_len_b, np.int64)
+  rows = lambda p, q: np.flatnonzero((owner == p) & need[q]) if p != q else np.zeros((0,), np.int64)
+  sizes = np.asarray([[ROW_TOKEN_BYTES * int(len_b[rows(p, q)].sum()) for q in range(share.count)]
+                      for p in range(share.count)], np.int64)
+  cut = lambda x, b: np.ascontiguousarray(x[b, start_b[b]:start_b[b] + len_b[b]])
+  payloads = [np.concatenate([np.concatenate([cut(rollout.tokens_bt, b).astype("<i4").view(np.uint8),
+                                              cut(rollout.logp_bt, b).astype("<f4").view(np.uint8),
+                                              cut(rollout.version_bt, b).astype("<i4").view(np.uint8)])
+                              for b in rows(share.index, q)] or [np.zeros((0,), np.uint8)])
+              for q in range(share.count)]
+  received = distributed.send_bytes(payloads, sizes)
+  tokens, logp, version = (np.array(x) for x in (rollout.tokens_bt, rollout.logp_bt, rollout.version_bt))
+  for p, data in enumerate(received):
+    offset = 0
+    for b in rows(p, share.index):
+      n, s = int(len_b[b]), slice(int(start_b[b]), int(start_b[b] + len_b[b]))
+      part = data[offset:offset + ROW_TOKEN_BYTES * n]
+      tokens[b, s] = part[:4 * n].view("<i4")
+      logp[b, s] = part[4 * n:8 * n].view("<f4")
+      version[b, s] = part[8 * n:].view("<i4")
+      offset += ROW_TOKEN_BYTES * n
+  crossed = (share.count - 1) * distributed.padded_bytes(sizes.max()) if sizes.any() else 0
+  return rollout.replace(tokens_bt=tokens, logp_bt=logp, version_bt=version), crossed
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -123,6 +123,14 @@ def batch_arrays(mesh: Mesh, batch: Batch, width: int,
   return out
 
 
+def rows_by_process(sharding: Sharding, rows: int, processes: int) -> np.ndarray:
+  """[processes, rows] bool: the rows of a batch under 1-D ``sharding`` that each process's devices hold."""
+  need = np.zeros((processes, rows), bool)
+  for device, index in sharding.devices_indices_map((rows,)).items():
+    need[device.process_index, index[0]] = True
+  return need
+
+
 def local_row_slices(sharding: Sharding, rows: int) -> list[tuple[int, int]]:
   """The distinct row ranges [start, stop) of a 1-D ``sharding``'s devices in this process, ascending:
   one per local data-parallel group (devices that differ only along other axes share one)."""

@@ -182,6 +182,11 @@ class Engine:
     self._widths_ready = False                   # every re-prefill width compiled (``_compile_widths``)
     self._blocks_ready = False                   # every block size of the finished buffer compiled
     self._owners: list[int] | None = None        # the process that reads each batch shard's rows
+    # True: each process keeps only the responses of the shards it reads (no exchange between processes);
+    # the other processes' samples are kept as prompt, lengths and finished flag. ``readers``: the process
+    # holding each live sample's row (``processes.Share`` reads it).
+    self.local_rows = False
+    self.readers: dict[int, int] = {}
     # Host view of the slot state as of the last fetch: response lengths and the oldest
     # version among each occupant's generated tokens (None: none yet).
     self._response_len_s = np.zeros((cfg.num_slots,), np.int32)
@@ -290,6 +295,8 @@ class Engine:
     only when nothing is left to generate.
     """
     target = self._check_target(target_samples, target_groups, finish_groups)
+    for sample_id in [s for s in self.readers if s not in self._ids]:   # returned by an earlier run
+      del self.readers[sample_id]
     t0, stats = time.perf_counter(), collections.Counter()
     version = put(np.asarray(policy_version, np.int32), self.programs.replicated)
     with jax.transfer_guard_device_to_host("disallow"):   # explicit fetches only (see the module docstring)
@@ -394,11 +401,17 @@ class Engine:
   def state_dict(self) -> dict:
     """Everything ``run`` continues from, as numpy arrays and Python scalars (no device arrays).
 
+    Not with ``local_rows`` while finished samples wait to be returned: this process holds only some of
+    their responses.
+
     Queued requests, in-flight slot rows (tokens, behaviour log-probs, versions, lengths; not the KV
     cache), finished samples not yet returned with their completion order, the group counters, the
     chunk counter, and the config fields that change what is generated. Flat with string keys, so
     ``np.savez(path, **state)`` stores it as is.
     """
+    if self.local_rows and self._finished:
+      raise RuntimeError(f"Engine.state_dict: {len(self._finished)} finished samples not yet returned, and "
+                         "with local_rows this process holds only the responses of its own shards")
     slot_f = [s for s, r in enumerate(self._occupant) if r is not None]
     host = fetch(self._state) if slot_f else None   # the in-flight rows: fetched only here
     done = sorted(self._finished, key=lambda f: f.order)
@@ -493,11 +506,12 @@ class Engine:
         params, self._cache, self._state, put(group_s, self.programs.state_shardings.done_s), *args,
         self._rng, version)
     self._read_rows(stats)     # the previous chunk's finished rows: read while this one decodes
-    (done_s, response_len_s, sample_id_s, out_ids, out_shard, out_n, columns, taken, steps, tokens, refills,
-     refill_tokens) = fetch((self._state.done_s, self._state.response_len_s, self._state.sample_id_s, *counters))
+    (done_s, response_len_s, sample_id_s, out_ids, out_shard, out_len, out_n, columns, taken, steps, tokens,
+     refills, refill_tokens) = fetch((self._state.done_s, self._state.response_len_s, self._state.sample_id_s,
+                                      *counters))
     stats["link_bytes/engine_control"] += sum(np.asarray(x).nbytes for x in (
-        done_s, response_len_s, sample_id_s, out_ids, out_shard, out_n, columns, taken, steps, tokens, refills,
-        refill_tokens))
+        done_s, response_len_s, sample_id_s, out_ids, out_shard, out_len, out_n, columns, taken, steps, tokens,
+        refills, refill_tokens))
     by_id = {r.sample_id: r for r in self._occupant if r is not None}
     for _ in range(int(taken)):
       request = self._queue.popleft()
@@ -515,7 +529,8 @@ class Engine:
     entries = [_Finished((self._chunks, i), r.group_id, None) for i, r in enumerate(out)]
     if entries:
       self._finished.extend(entries)
-      self._unread.append((entries, out, flat, places, np.array(out_n), np.array(columns), policy_version))
+      self._unread.append((entries, out, flat, places, np.array(out_len[:num_out]), np.array(out_n),
+                           np.array(columns), policy_version))
     for s in range(self.cfg.num_slots):
       old = self._occupant[s]
       new = None if done_s[s] else by_id[int(sample_id_s[s])]
@@ -604,7 +619,7 @@ class Engine:
       self._blocks_ready = True
     owner = self._shard_owners()
     me = jax.process_index()
-    for entries, requests, flat, places, out_n, columns, version in self._unread:
+    for entries, requests, flat, places, out_len, out_n, columns, version in self._unread:
       shards = range(len(out_n))
       starts = {r: slots.block_starts(int(columns[r])) for r in shards}
       mine = [r for r in shards if owner[r] == me and out_n[r] > 0]
@@ -617,7 +632,7 @@ class Engine:
       stats["link_bytes/engine_to_host"] += width * sum(size for r in shards for _, size in starts[r])
       stats["link_bytes/engine_to_host_this_host"] += width * sum(size for r in mine for _, size in starts[r])
       stats["link_bytes/engine_to_host_padded"] += len(entries) * (3 * seq_len + 4) * 4
-      if len(set(owner)) > 1:   # the other processes' shards, from them (every process calls this)
+      if len(set(owner)) > 1 and not self.local_rows:   # the other processes' shards, from them (collective)
         sizes = [width * sum(int(columns[r]) for r in shards if owner[r] == p) for p in range(jax.process_count())]
         payload = np.concatenate([bytes_r[r].reshape(-1) for r in mine] or [np.zeros((0,), np.uint8)])
         received = distributed.allgather_bytes(payload, sizes)
@@ -635,9 +650,14 @@ class Engine:
         if out_n[r] == 0:
           continue
         at = [index[(r, k)] for k in range(int(out_n[r]))]
-        unpacked = slots.unpack_finished(bytes_r[r], len(at), version, vocab, seq_len)
+        if r in bytes_r:
+          unpacked = slots.unpack_finished(bytes_r[r], len(at), version, vocab, seq_len)
+        else:   # ``local_rows``: another process holds these rows; this one keeps what the control numbers say
+          meta = np.asarray([[out_len[i] & 1, len(requests[i].prompt), out_len[i] >> 1] for i in at], np.int32)
+          unpacked = (meta,) + (None,) * 3
         for i, row in zip(at, _unpack_rows(*unpacked, [requests[i] for i in at], seq_len)):
           entries[i].row = row
+          self.readers[int(requests[i].sample_id)] = owner[r]
       if self.on_finished is not None:
         self.on_finished(_stack([f.row for f in entries], self.cfg.spec.seq_len),
                          np.asarray([f.group_id for f in entries], np.int32))
@@ -733,8 +753,9 @@ def _unpack_rows(meta_k3: np.ndarray, tokens_n, logp_n, version_n, requests, seq
     tokens_t, logp_t = np.zeros((seq_len,), np.int32), np.zeros((seq_len,), np.float32)
     version_t = np.full((seq_len,), -1, np.int32)
     tokens_t[:p] = prompt
-    tokens_t[p:p + n], logp_t[p:p + n], version_t[p:p + n] = (tokens_n[start:start + n], logp_n[start:start + n],
-                                                              version_n[start:start + n])
+    if tokens_n is not None:   # None: the response is held by another process (its tokens stay 0, versions -1)
+      tokens_t[p:p + n], logp_t[p:p + n], version_t[p:p + n] = (
+          tokens_n[start:start + n], logp_n[start:start + n], version_n[start:start + n])
     rows.append({"tokens_st": tokens_t, "logp_st": logp_t, "version_st": version_t, "prompt_len_s": np.int32(p),
                  "response_len_s": np.int32(n), "finished_s": np.bool_(finished),
                  "sample_id_s": np.int32(request.sample_id)})

@@ -229,8 +229,9 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique
   its sample id and its place in the chunk's completion order.
 
   Returns (state, cache, each shard's outbox packed by ``pack_finished`` ([R, W, C] bytes, split over the
-  batch axes), the finished samples' ids and shards in completion order ([S + pending] each; the first
-  ``sum(rows)`` are set), outbox rows per shard [R], the columns of each shard's packed buffer they fill
+  batch axes), the finished samples' ids, shards and 2 x response length + finished flag in completion
+  order ([S + pending] each; the first ``sum(rows)`` are set), outbox rows per shard [R], the columns of
+  each shard's packed buffer they fill
   [R], requests taken from ``pending``, decode steps, tokens sampled, refill prefills, and the rows x width
   they processed).
   """
@@ -338,13 +339,17 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique
   # in the chunk's completion order [S + pending].
   order_ro = jnp.where(jnp.arange(per_shard) < c.out_n[:, None], c.out_order, num_slots + num_pending)
   put_o = lambda x, dtype: jnp.zeros((num_slots + num_pending,), dtype).at[order_ro].set(x.astype(dtype), mode="drop")
+  t = state.tokens_st.shape[1]
   out_ids = put_o(c.outbox[:, :, -1], jnp.int32)
   out_shard = put_o(jnp.broadcast_to(jnp.arange(shards)[:, None], order_ro.shape), shard_dtype(shards))
+  # Each finished sample's response length and finished flag (2 x length + flag): what a host that does not
+  # read the sample's shard keeps of it (``Engine.local_rows``).
+  out_len = put_o(2 * c.outbox[:, :, 3 * t + 2] + c.outbox[:, :, 3 * t], jnp.int32)
   pack = jax.shard_map(functools.partial(_pack_local, spec.max_new_tokens, spec.model.vocab_size), mesh=mesh,
                        in_specs=(b3, b1, P()), out_specs=(b3, b1), check_vma=False)
   flat, columns = pack(c.outbox, c.out_n, version)
-  return (c.state, c.cache, flat, out_ids, out_shard, c.out_n, columns, c.ptr, c.step, c.tokens, c.refills,
-          c.refill_tokens)
+  return (c.state, c.cache, flat, out_ids, out_shard, out_len, c.out_n, columns, c.ptr, c.step, c.tokens,
+          c.refills, c.refill_tokens)
 
 
 def shard_dtype(shards: int):
@@ -512,7 +517,7 @@ class SlotPrograms:
         ep(functools.partial(run_chunk, spec, self.new_widths, rows, self.unique_rows, static, (b1, b2))),
         donate_argnums=(1, 2),
         in_shardings=(param_shardings, cache_sh, state_sh, b1, rep, rep, rep, rep, rep),
-        out_shardings=(state_sh, cache_sh, self.shard_bytes) + (rep,) * 9)
+        out_shardings=(state_sh, cache_sh, self.shard_bytes) + (rep,) * 10)
     # A block of every shard's packed buffer, each shard's part left on its devices (hosts read the shards
     # they hold).
     self.take_block = {size: jax.jit(functools.partial(take_block, size=size), out_shardings=self.shard_bytes)

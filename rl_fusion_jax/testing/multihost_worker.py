@@ -135,6 +135,41 @@ def run_mesh(mesh_cfg, update: bool) -> dict:
   return out
 
 
+# Which process holds each of the 8 samples' responses in ``fill_rows_check`` (as ``Engine.local_rows``
+# leaves them), and which rows each process's devices train on comes from the dp2_fsdp2 mesh.
+READERS = (0, 1, 1, 0, 1, 0, 0, 1)
+
+
+def fill_rows_check() -> dict:
+  """``processes.fill_rows`` across the 2 processes: each starts from the rows it holds (the others'
+  responses blank), needs the rows of its devices on the dp2_fsdp2 mesh. Returns, per row, whether it
+  equals the full batch's row afterwards, whether its response is still blank, and the bytes crossed."""
+  from rl_fusion_jax.config import MeshConfig
+  from rl_fusion_jax.orchestration import processes
+  from rl_fusion_jax.queue import global_batch
+  from rl_fusion_jax.sharding.mesh import batch_sharding, make_mesh
+  from rl_fusion_jax.types import Rollout
+  fields, lengths = host_batch()
+  prompt = 3
+  full = Rollout(tokens_bt=fields["tokens_bt"], prompt_len_b=np.full((8,), prompt, np.int32),
+                 response_len_b=(lengths - prompt).astype(np.int32), logp_bt=fields["behaviour_logp_bt"],
+                 version_bt=np.where(fields["mask_bt"] > 0, 7, -1).astype(np.int32),
+                 finished_b=np.ones((8,), bool), sample_id_b=np.arange(100, 108, dtype=np.int32))
+  mine = np.asarray(READERS) == jax.process_index()
+  response = (np.arange(10)[None, :] >= prompt) & ~mine[:, None]
+  local = full.replace(tokens_bt=np.where(response, 0, full.tokens_bt), logp_bt=np.where(response, 0, full.logp_bt),
+                       version_bt=np.where(response, -1, full.version_bt))
+  share = processes.Share(jax.process_index(), 2, readers=dict(zip(range(100, 108), READERS)))
+  need = global_batch.rows_by_process(batch_sharding(make_mesh(MeshConfig(data=2, fsdp=2)), 1), 8, 2)
+  filled, crossed = processes.fill_rows(share, local, need)
+  same = [all(np.array_equal(getattr(filled, f)[b], getattr(full, f)[b])
+              for f in ("tokens_bt", "logp_bt", "version_bt")) for b in range(8)]
+  blank = [bool((filled.tokens_bt[b, prompt:] == 0).all() and (filled.version_bt[b, prompt:] == -1).all())
+           for b in range(8)]
+  return {"same": same, "blank": blank, "crossed": int(crossed), "need": need.tolist(),
+          "response_len": full.response_len_b.tolist()}
+
+
 def main(port: int, process_id: int) -> None:
   from rl_fusion_jax import gc_policy
   gc_policy.tune()
@@ -142,6 +177,7 @@ def main(port: int, process_id: int) -> None:
                              process_id=process_id)
   from rl_fusion_jax.config import MeshConfig
   out = {name: run_mesh(MeshConfig(**sizes), update) for name, (sizes, update) in MESHES.items()}
+  out["fill_rows"] = fill_rows_check()
   out.update(process_index=jax.process_index(), devices=jax.device_count(),
              local_devices=sorted(d.id for d in jax.local_devices()))
   print(json.dumps(out), flush=True)
