@@ -323,13 +323,23 @@ def _place_packed(setup: Setup, programs: Programs, rollout: Rollout, ref_logp_b
   layout = packing.plan(lengths, setup.cfg.rollout.seq_len, programs.row_buckets,
                         groups=mesh_lib.batch_shards(programs.mesh), micro=programs.plan_micro)
   cfg = setup.cfg
+  versions, held_b, between = None, None, {}
+  if programs.engine.local_rows:   # the samples of this process's groups' rows, from their holders
+    share = programs.verify.share
+    rows_p = global_batch.rows_by_process(mesh_lib.batch_sharding(programs.mesh, 1), layout.num_rows,
+                                          distributed.process_count())
+    need = rows_p[:, np.maximum(layout.row_b, 0)] & (layout.row_b >= 0)
+    rollout, crossed = processes.fill_rows(share, rollout, need)
+    versions = processes.version_range(share, rollout)
+    held_b = need[share.index] | share.owns(rollout.sample_id_b)
+    between = {"queue/link_bytes/rows_between_hosts_this_host": float(crossed)}
   rows, link = packed_step.place_rows(programs.mesh, layout, tokens_bt=rollout.tokens_bt,
                                       behaviour_logp_bt=rollout.logp_bt, version_bt=rollout.version_bt,
                                       prompt_len_b=rollout.prompt_len_b, vocab_size=cfg.model.config.vocab_size,
                                       max_version_span=cfg.stalesync.max_staleness if cfg.stalesync.enabled else 0,
                                       padded_width=batch_width(cfg, lengths), pages=programs.stream_pages,
-                                      ref_logp_bt=ref_logp_bt)
-  stats = {"pack/rows": float(layout.num_rows), "pack/rows_used": float(layout.rows_used),
+                                      ref_logp_bt=ref_logp_bt, version_range=versions, held_b=held_b)
+  stats = {**between, "pack/rows": float(layout.num_rows), "pack/rows_used": float(layout.rows_used),
            "pack/padding_frac": float(1 - lengths.sum() / (layout.num_rows * layout.width)),
            "pack/stream_bytes": link.pop("stream_bytes"), "pack/stream_used_bytes": link.pop("stream_used_bytes"),
            **{f"queue/link_bytes/{k}": v for k, v in link.items()}}

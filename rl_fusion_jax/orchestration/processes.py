@@ -126,6 +126,19 @@ def fill_rows(share: Share, rollout, need) -> tuple:
   return rollout.replace(tokens_bt=tokens, logp_bt=logp, version_bt=version), crossed
 
 
+def version_range(share: Share, rollout) -> tuple[int, int] | None:
+  """The lowest and highest response-token version of ``rollout``'s samples, over every process (each
+  reads those of the samples it owns: ``share.owner``); None when no sample has a response token."""
+  owned = share.owns(rollout.sample_id_b)
+  versions = [rollout.version_bt[b, rollout.prompt_len_b[b]:rollout.prompt_len_b[b] + rollout.response_len_b[b]]
+              for b in np.flatnonzero(owned)]
+  versions = np.concatenate(versions) if versions else np.zeros((0,), np.int32)
+  mine = [int(versions.min()), int(versions.max())] if versions.size else None
+  ranges = [json.loads(t) for t in exchange("version_range", json.dumps(mine))] if share.count > 1 else [mine]
+  ranges = [r for r in ranges if r is not None]
+  return (min(r[0] for r in ranges), max(r[1] for r in ranges)) if ranges else None
+
+
 # ----------------------------------------------------------------------------------------------------
 # Metrics: one record per step for the whole run.
 # ----------------------------------------------------------------------------------------------------

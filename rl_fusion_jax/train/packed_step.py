@@ -285,7 +285,8 @@ class StreamPages:
 def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_bt, version_bt, prompt_len_b,
                vocab_size: int, max_version_span: int = 0, padded_width: int | None = None,
                pages: StreamPages | None = None, ref_logp_bt=None,
-               tokens_only: bool = False) -> tuple[PackedRows, dict[str, float]]:
+               tokens_only: bool = False, version_range: tuple[int, int] | None = None, held_b=None
+               ) -> tuple[PackedRows, dict[str, float]]:
   """Host samples (right-padded rows, any width >= their lengths) -> ``PackedRows`` on ``mesh``, and the
   bytes put.
 
@@ -310,7 +311,8 @@ def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_
   the other token fields), their response tokens' float32 bits in the stream (``ref_logp_rw``); the
   padded equivalent then counts 4 fields a token. ``tokens_only``: the token ids alone cross (the rows'
   log-probs 0.0 and versions -1; ``behaviour_logp_bt`` and ``version_bt`` are not read), the padded
-  equivalent one field a token."""
+  equivalent one field a token. ``version_range``, ``held_b``: ``packing.pack_stream``'s (the batch's lowest
+  and highest versions and the samples this process holds, where it holds only its own groups')."""
   groups = batch_shards(mesh)
   if layout.num_rows % groups:
     raise ValueError(f"{layout.num_rows} packed rows do not split over data*fsdp={groups} "
@@ -320,7 +322,8 @@ def place_rows(mesh: Mesh, layout: packing.Layout, *, tokens_bt, behaviour_logp_
                              ref_logp=ref_logp_bt is not None, tokens_only=tokens_only)
   stream = packing.pack_stream(layout, groups, fmt, tokens_bt=tokens_bt, behaviour_logp_bt=behaviour_logp_bt,
                                version_bt=version_bt, prompt_len_b=prompt_len_b, multiple=per_group_devices,
-                               page=pages.page_bytes if pages is not None else 0, ref_logp_bt=ref_logp_bt)
+                               page=pages.page_bytes if pages is not None else 0, ref_logp_bt=ref_logp_bt,
+                               version_range=version_range, held_b=held_b)
   if pages is not None:
     data, most, here = pages.put(stream.bytes_gn)
   else:

@@ -332,11 +332,16 @@ def _put(out, g, at, values, width: int, what: str):
 
 
 def pack_stream(layout: Layout, groups: int, fmt: StreamFormat, *, tokens_bt, behaviour_logp_bt, version_bt,
-                prompt_len_b, multiple: int = 1, page: int = 0, ref_logp_bt=None) -> Stream:
+                prompt_len_b, multiple: int = 1, page: int = 0, ref_logp_bt=None,
+                version_range: tuple[int, int] | None = None, held_b=None) -> Stream:
   """Samples (right-padded rows) -> their ``Stream``: each group's bytes, the stream length bucketed
   (``stream_length``, a multiple of ``multiple``), or with ``page`` > 0 a whole number of pages of
   ``page`` bytes (at least one). ``ref_logp_bt``: the reference log-probs, given exactly when
-  ``fmt.ref_logp``. With ``fmt.tokens_only`` the log-probs and versions are not read (None will do)."""
+  ``fmt.ref_logp``. With ``fmt.tokens_only`` the log-probs and versions are not read (None will do).
+  ``version_range``: the batch's lowest and highest response-token versions, where the caller holds only
+  some samples' versions (default: taken from ``version_bt``); ``held_b`` (with it): the samples whose
+  responses the caller holds; the others' versions are written as the lowest (their groups' bytes are
+  another process's to place)."""
   if (ref_logp_bt is not None) != fmt.ref_logp:
     raise ValueError(f"pack_stream: ref_logp_bt {'given' if ref_logp_bt is not None else 'missing'} for a "
                      f"format with ref_logp={fmt.ref_logp}")
@@ -348,10 +353,15 @@ def pack_stream(layout: Layout, groups: int, fmt: StreamFormat, *, tokens_bt, be
   response = offset >= prompt_b[sample]
   s, j = sample[response], offset[response] - prompt_b[sample[response]]
   version = (np.zeros((0,), np.int64) if fmt.tokens_only else np.asarray(version_bt, np.int64)[s, prompt_b[s] + j])
-  version_base = int(version.min()) if version.size else 0
+  if version_range is not None and not fmt.tokens_only:
+    version_base, highest = (int(v) for v in version_range)
+    if held_b is not None:
+      version = np.where(np.asarray(held_b, bool)[s], version, version_base)
+  else:
+    version_base = int(version.min()) if version.size else 0
+    highest = int(version.max(initial=version_base))
   # Versions wider than the format expects (a span beyond the staleness bound it was sized for) widen it.
-  fmt = dataclasses.replace(fmt, version_bytes=max(fmt.version_bytes,
-                                                   value_bytes(int(version.max(initial=version_base)) - version_base + 1)))
+  fmt = dataclasses.replace(fmt, version_bytes=max(fmt.version_bytes, value_bytes(highest - version_base + 1)))
   bytes_b = fmt.sample_bytes(length_b, prompt_b)
   group_b, offset_b = group_offsets(layout, groups, bytes_b)
   per_group = np.bincount(group_b[group_b >= 0], bytes_b[group_b >= 0], minlength=groups).astype(np.int64)
