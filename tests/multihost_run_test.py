@@ -216,18 +216,23 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_they_resume_t
   _assert_same_metrics(stalesync_one, workdir)
 
 
-@pytest.mark.parametrize("mode", ["separated", "hybrid", "hybrid_stalesync", "colocated_packed"])
+@pytest.mark.parametrize("mode", ["separated", "hybrid", "hybrid_stalesync", "colocated_packed", "full_dynamic"])
 def test_deployment_modes_across_processes_equal_one_process(tmp_path, mode):
   """Every sub-mesh takes the same share of each process's devices (hybrid: one aux device each; its update
   on packed rows, a learned reward model beside the reference on the aux devices; hybrid_stalesync: the
   same under StaleSync, where the aux stage's results and the advantages reach the update through the
-  queue's fields; colocated_packed: the packed update from rows kept by process, 32 slots for 128 samples).
-  (fusion.mode=full: test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics.)"""
-  stalesync, packed = mode.endswith("stalesync"), mode.endswith("packed")
+  queue's fields; colocated_packed: the packed update from rows kept by process, 32 slots for 128 samples;
+  full_dynamic: DAPO's dynamic sampling, its rounds' rows kept by process). (fusion.mode=full, padded:
+  test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics.)"""
+  stalesync, packed, dynamic = mode.endswith("stalesync"), mode.endswith("packed"), mode.endswith("dynamic")
   mode = mode.split("_")[0]
   extra = [f"--config.fusion.mode={mode}"]
+  if packed or dynamic:
+    extra += ["--config.rollout.num_slots=32"]
   if packed:
-    extra += ["--config.optim.pack_rows=True", "--config.rollout.num_slots=32"]
+    extra += ["--config.optim.pack_rows=True"]
+  if dynamic:
+    extra += ["--config.algo.dynamic_sampling=True"]
   if stalesync:
     extra += ["--config.stalesync.enabled=True", "--config.stalesync.max_staleness=1",
               "--config.stalesync.train_fraction=0.5", "--config.rollout.num_slots=256"]
@@ -244,8 +249,9 @@ def test_deployment_modes_across_processes_equal_one_process(tmp_path, mode):
   two = _run(tmp_path, "two", 2, 2, variant=":kl", steps=2, extra=extra)
   # Hybrid's reference scores samples as they finish (aux_stage/*), in one process and across two alike.
   _assert_same_metrics(one, two, only_in_a=())
-  if packed:   # rows by process (Engine.local_rows): only the rows of a host's groups cross, and some do
+  if packed or dynamic:   # rows by process (Engine.local_rows): only the rows a host trains on cross, some do
     rows = [r for r in _metrics(two) if "loss" in r]
+    assert not dynamic or max(r["dynamic_sampling/rounds"] for r in rows) > 1
     assert all(r["queue/link_bytes/engine_rows_between_hosts_hosts_sum"] == 0 for r in rows)
     assert any(r["queue/link_bytes/rows_between_hosts_this_host"] > 0 for r in rows)
   if mode == "hybrid":

@@ -135,11 +135,11 @@ def _validate(cfg: ExperimentConfig, workdir: str, tensorboard: bool) -> Setup:
 
 def local_rows(cfg, programs) -> bool:
   """Whether the run's engine keeps each process's rows on that process (``Engine.local_rows``): runs
-  across processes of the synchronous step in ``colocated`` or ``full`` mode (padded or packed update).
-  The other schedules (StaleSync's queue, hybrid's aux stage, dynamic sampling) still read every row on
-  every process."""
+  across processes of the synchronous step in ``colocated`` or ``full`` mode (padded or packed update,
+  dynamic sampling included). StaleSync's queue and hybrid's aux stage still read every row on every
+  process."""
   return (distributed.process_count() > 1 and programs.deployment.mode in ("colocated", "full")
-          and not cfg.stalesync.enabled and not cfg.algo.dynamic_sampling and programs.aux_stage is None)
+          and not cfg.stalesync.enabled and programs.aux_stage is None)
 
 
 def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False,

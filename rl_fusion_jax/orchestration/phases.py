@@ -45,6 +45,7 @@ from rl_fusion_jax.types import Rollout
 ENGINE_LINKS = ("engine_to_host", "engine_to_host_padded", "engine_control", "engine_to_host_this_host",
                 "engine_rows_between_hosts_this_host")
 
+
 def init_policy(setup: Setup, programs: Programs):
   """The starting params on the training layout: the HF weights, or a random init seeded by
   ``cfg.policy_seed`` (``warmup.seed``, else ``run.seed``)."""
@@ -630,6 +631,7 @@ def rl_step(setup: Setup, programs: Programs, state, ref_resting, step: int, tim
   r = setup.cfg.rollout
   t_start = time.perf_counter()
   first = step * r.num_prompts if data_position is None else data_position
+  programs.engine.forget_readers()   # the previous step's samples (every round of a dynamic batch is this one's)
   begin_aux_stage(programs, ref_resting, timeline, step)
   if setup.cfg.algo.dynamic_sampling:
     state, problems, rollout, scored, metrics = _dynamic_batch(setup, programs, state, step, timeline, first)
@@ -643,7 +645,8 @@ def rl_step(setup: Setup, programs: Programs, state, ref_resting, step: int, tim
 
 SUMMED_OVER_ROUNDS = ("generate_s", "engine/generated_tokens", "engine/decode_steps", "engine/decode_chunks",
                       "engine/prefill_calls", "engine/refill_prefills", "engine/prefill_tokens",
-                      "engine/prefill_rows", "engine/reprefill_rows", *(f"queue/link_bytes/{k}" for k in ENGINE_LINKS),
+                      "engine/prefill_rows", "engine/reprefill_rows",
+                      *(f"queue/link_bytes/{k}" for k in ENGINE_LINKS),
                       *(f"engine/{k}" for k in engine_lib.CHUNK_MOMENTS))
 
 

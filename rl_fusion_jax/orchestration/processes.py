@@ -2,11 +2,13 @@
 
 Every process runs the same loop (``orchestration/loop.py``); these are the places where processes differ
 or meet (through ``distributed.exchange``, the coordination service's key-value store: host bytes, no
-device work), each a no-op in a one-process run:
+device work; ``fill_rows`` through one all-to-all over one device per process), each a no-op in a
+one-process run:
   * ``Share`` / ``gather_rows``: each process decodes and scores the samples it owns, then all exchange
     the results;
-  * ``fill_rows``: where each process holds only the rows it read (``Engine.local_rows``), each process
-    receives from their holders the rows its devices train on, and no other;
+  * ``fill_rows`` / ``version_range``: where each process holds only the rows it read
+    (``Engine.local_rows``), each process receives from their holders the rows its devices train on, and
+    no other, and the batch's version range comes from every process;
   * ``reduce_metrics``: the step's metrics of every process -> the run's (queue transfer counters summed,
     own shares averaged, times the slowest process's);
   * ``run_queue_counters`` / ``local_queue_counters``: the queue counters a checkpoint saves are the run's;
@@ -23,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from rl_fusion_jax.distributed import client, exchange, is_writer, process_count, process_index
+from rl_fusion_jax.distributed import (client, exchange, is_writer, padded_bytes, process_count, process_index,
+                                       send_bytes)
 from rl_fusion_jax.timeline import Timeline
 
 
@@ -95,7 +98,6 @@ def fill_rows(share: Share, rollout, need) -> tuple:
   in from their owners, the bytes that crossed to this process). ``need[p]``: bool [B], the rows process p
   needs; every process passes the same ``need``. Each owner sends each process exactly the rows it needs
   (``distributed.send_bytes``), so no process receives a row it does not need."""
-  from rl_fusion_jax import distributed  # pylint: disable=g-import-not-at-top
   if share.count == 1:
     return rollout, 0
   need = np.asarray(need, bool)
@@ -111,7 +113,7 @@ def fill_rows(share: Share, rollout, need) -> tuple:
                                               cut(rollout.version_bt, b).astype("<i4").view(np.uint8)])
                               for b in rows(share.index, q)] or [np.zeros((0,), np.uint8)])
               for q in range(share.count)]
-  received = distributed.send_bytes(payloads, sizes)
+  received = send_bytes(payloads, sizes)
   tokens, logp, version = (np.array(x) for x in (rollout.tokens_bt, rollout.logp_bt, rollout.version_bt))
   for p, data in enumerate(received):
     offset = 0
@@ -122,7 +124,7 @@ def fill_rows(share: Share, rollout, need) -> tuple:
       logp[b, s] = part[4 * n:8 * n].view("<f4")
       version[b, s] = part[8 * n:].view("<i4")
       offset += ROW_TOKEN_BYTES * n
-  crossed = (share.count - 1) * distributed.padded_bytes(sizes.max()) if sizes.any() else 0
+  crossed = (share.count - 1) * padded_bytes(sizes.max()) if sizes.any() else 0
   return rollout.replace(tokens_bt=tokens, logp_bt=logp, version_bt=version), crossed
 
 

@@ -15,13 +15,14 @@ One run: re-prefill the samples carried in flight from the previous run (host pr
 ``prefill_rows`` rows; none with ``keep_cache``), then chunks (``slots.run_chunk``) until the target is
 met or nothing is left. A chunk is one dispatch and one fetch: the first ``num_slots`` queued requests
 are uploaded with the target (per tracked group, how many samples it still needs); on the device, before
-every decode step, the finished samples move to their batch shard's outbox and free slots refill from the upload once
-``min(prefill_rows, requests left)`` are free (``refill='static'``: only when every slot is free, the
+every decode step, the finished samples move to their batch shard's outbox and free slots refill from the
+upload once ``min(prefill_rows, requests left)`` are free (``refill='static'``: only when every slot is free, the
 batch-at-a-time baseline), the samples of a group sharing one forward of their prompt
 (``slots.shared_prompts``), and the chunk ends after ``chunk_steps`` steps, at the step that meets the
 target, when nothing is left, or when the upload is spent and a refill is due. The host then fetches each
-slot's done flag, response length and sample id, the finished samples' ids and batch shards in completion
-order, each shard's row and column counts and the counters (3 x S + 2 x O + 2 x R + 5 numbers, O = 2 x S).
+slot's done flag, response length and sample id, the finished samples' ids, batch shards and response
+lengths (with the finished flag) in completion order, each shard's row and column counts and the counters
+(3 x S + 3 x O + 2 x R + 5 numbers, O = 2 x S).
 The finished rows themselves are read after the next chunk is dispatched, so that transfer overlaps the
 decode, and they cross packed: each batch shard concatenates its own rows' response tokens, log-probs and
 versions as bytes on its own devices (``slots.pack_finished``: a token id in as few bytes as the
@@ -30,9 +31,10 @@ moves between devices), and each process fetches, of the shards it reads (``_sha
 that hold them and three numbers per row (finished, prompt length, response length); prompts are never
 sent back, and nothing pads a row to ``seq_len`` on the link (``link_bytes/engine_to_host`` against
 ``..._padded``). Across processes the shards' bytes are then exchanged, so that every host holds every row
-(``link_bytes/engine_rows_between_hosts_this_host``). Nothing is read back per token, and the full slot
-state never is inside a run. The oldest token version of each in-flight sample is kept on the host from
-the response lengths (each chunk's tokens carry the run's version).
+(``link_bytes/engine_rows_between_hosts_this_host``), unless ``local_rows``: then each host keeps the rows
+it read and, of the others, what the control numbers say (``readers``: who holds which). Nothing is read
+back per token, and the full slot state never is inside a run. The oldest token version of each in-flight
+sample is kept on the host from the response lengths (each chunk's tokens carry the run's version).
 
 Determinism: the engine's base key comes from ``seed`` and token t of a sample is drawn with key
 (seed, sample id, t), always from the logits of one decode step. Under fixed weights a sample's tokens
@@ -184,7 +186,7 @@ class Engine:
     self._owners: list[int] | None = None        # the process that reads each batch shard's rows
     # True: each process keeps only the responses of the shards it reads (no exchange between processes);
     # the other processes' samples are kept as prompt, lengths and finished flag. ``readers``: the process
-    # holding each live sample's row (``processes.Share`` reads it).
+    # holding each finished sample's row (``processes.Share`` reads it), kept until ``forget_readers``.
     self.local_rows = False
     self.readers: dict[int, int] = {}
     # Host view of the slot state as of the last fetch: response lengths and the oldest
@@ -295,8 +297,6 @@ class Engine:
     only when nothing is left to generate.
     """
     target = self._check_target(target_samples, target_groups, finish_groups)
-    for sample_id in [s for s in self.readers if s not in self._ids]:   # returned by an earlier run
-      del self.readers[sample_id]
     t0, stats = time.perf_counter(), collections.Counter()
     version = put(np.asarray(policy_version, np.int32), self.programs.replicated)
     with jax.transfer_guard_device_to_host("disallow"):   # explicit fetches only (see the module docstring)
@@ -318,6 +318,11 @@ class Engine:
                  queued=len(self._queue), unreturned=len(self._finished))
     stats["slot_utilization"] = stats["generated_tokens"] / max(1, stats["decode_steps"] * self.cfg.num_slots)
     return RunResult(rollout=result[0], group_id_b=result[1], stats=dict(stats))
+
+  def forget_readers(self) -> None:
+    """Drops ``readers`` of the samples already returned (the caller's step is done with them)."""
+    for sample_id in [s for s in self.readers if s not in self._ids]:
+      del self.readers[sample_id]
 
   def _check_target(self, target_samples, target_groups, finish_groups) -> _Target | None:
     if target_samples is not None and target_groups is not None:
@@ -601,8 +606,10 @@ class Engine:
     row's (finished, prompt length, response length) and the responses; the prompts are the host's.
 
     Each batch shard packs its own rows on its devices, and a process reads the shards it owns
-    (``_owned_shards``) and nothing of the others. A run across processes then exchanges the shards' bytes
-    between the processes (``distributed.allgather_bytes``), so that every host holds every row.
+    (``_shard_owners``) and nothing of the others. A run across processes then exchanges the shards' bytes
+    between the processes (``distributed.allgather_bytes``), so that every host holds every row; with
+    ``local_rows`` it does not, and a row of another process's shard keeps its prompt, response length and
+    finished flag (its response tokens 0, log-probs 0, versions -1). ``readers`` records who holds each.
 
     ``stats``: ``link_bytes/engine_to_host`` (every shard's blocks, summed over the hosts that read them)
     and ``..._padded`` (the same rows at ``seq_len``: 3 per-token fields and 4 scalars, as a padded row
