@@ -185,8 +185,9 @@ class Engine:
     self._blocks_ready = False                   # every block size of the finished buffer compiled
     self._owners: list[int] | None = None        # the process that reads each batch shard's rows
     # True: each process keeps only the responses of the shards it reads (no exchange between processes);
-    # the other processes' samples are kept as prompt, lengths and finished flag. ``readers``: the process
-    # holding each finished sample's row (``processes.Share`` reads it), kept until ``forget_readers``.
+    # the other processes' samples are kept as prompt, lengths and finished flag. ``readers`` (only then):
+    # the process holding each finished sample's row (``processes.Share`` reads it), kept until
+    # ``forget_readers``.
     self.local_rows = False
     self.readers: dict[int, int] = {}
     # Host view of the slot state as of the last fetch: response lengths and the oldest
@@ -664,7 +665,8 @@ class Engine:
           unpacked = (meta,) + (None,) * 3
         for i, row in zip(at, _unpack_rows(*unpacked, [requests[i] for i in at], seq_len)):
           entries[i].row = row
-          self.readers[int(requests[i].sample_id)] = owner[r]
+          if self.local_rows:
+            self.readers[int(requests[i].sample_id)] = owner[r]
       if self.on_finished is not None:
         self.on_finished(_stack([f.row for f in entries], self.cfg.spec.seq_len),
                          np.asarray([f.group_id for f in entries], np.int32))
