@@ -251,19 +251,12 @@ def padded_bytes(n: int) -> int:
 
 def allgather_bytes(payload: np.ndarray, sizes) -> list[np.ndarray]:
   """Every process's ``payload`` (uint8 [sizes[p]] on process p; ``sizes`` known to every process) -> the
-  list of them, on every process. A collective (``process_allgather`` of the payloads padded to
-  ``padded_bytes`` of the largest): every process calls it in the same order."""
+  list of them, on every process: ``send_bytes`` of the payload to every process. A collective: every
+  process calls it in the same order."""
   import jax  # pylint: disable=g-import-not-at-top
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
-  payload = np.asarray(payload, np.uint8).reshape(-1)
-  if payload.size != sizes[jax.process_index()]:
-    raise ValueError(f"allgather_bytes: {payload.size} bytes from process {jax.process_index()}, "
-                     f"{sizes[jax.process_index()]} announced")
-  padded = np.zeros((padded_bytes(max(sizes)),), np.uint8)
-  padded[:payload.size] = payload
-  gathered = np.asarray(multihost_utils.process_allgather(padded))
-  return [gathered[p, :n] for p, n in enumerate(sizes)]
+  count = jax.process_count()
+  sizes = [int(n) for n in sizes]
+  return send_bytes([payload] * count, [[n] * count for n in sizes])
 
 
 _ALL_TO_ALL: dict = {}
