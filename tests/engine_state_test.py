@@ -105,6 +105,54 @@ def test_restored_engine_continues_exactly():
   assert carried >= 1
 
 
+def test_rows_another_process_holds_are_filled_before_a_save():
+  """``local_rows``: a finished row whose response another process holds is blank here (prompt and lengths
+  only). Its oldest version still comes from the control numbers (``RunResult.min_version_b``,
+  ``group_min_versions``), ``state_dict`` refuses while it is blank, and ``hold_finished`` fills it. The
+  engine side in one process: rows are blanked here by hand, and ``fill`` hands back the real ones (the
+  exchange that fills them between processes, ``processes.fill_rows``, is multihost_test's)."""
+  engine, first = first_run()
+  assert engine.num_unreturned >= 1
+  state, versions = engine.state_dict(), engine.group_min_versions()
+  done = sorted(engine._finished, key=lambda f: f.order)
+  real = engine_lib._stack([f.row for f in done], SPEC.seq_len)
+  blanked = []
+  for f in done[::2]:
+    p, n = int(f.row["prompt_len_s"]), int(f.row["response_len_s"])
+    f.row = {**f.row, "tokens_st": f.row["tokens_st"].copy(), "logp_st": f.row["logp_st"].copy(),
+             "version_st": f.row["version_st"].copy()}
+    f.row["tokens_st"][p:p + n], f.row["logp_st"][p:p + n], f.row["version_st"][p:p + n] = 0, 0.0, -1
+    f.held = False
+    blanked.append(int(f.row["sample_id_s"]))
+  assert engine.group_min_versions() == versions
+  with pytest.raises(RuntimeError, match="hold_finished"):
+    engine.state_dict()
+  newer = lambda rollout: real.replace(version_bt=np.where(real.version_bt >= 0, real.version_bt + 1, -1))
+  with pytest.raises(AssertionError, match="control numbers"):
+    engine.hold_finished(newer)
+  for f in done[::2]:
+    f.held = False
+  seen = []
+  assert engine.hold_finished(lambda rollout: seen.append(rollout.sample_id_b.tolist()) or real) == len(blanked)
+  assert seen == [[int(f.row["sample_id_s"]) for f in done]]
+  filled = engine.state_dict()
+  for key in state:
+    np.testing.assert_array_equal(filled[key], state[key], err_msg=key)
+  assert engine.hold_finished(lambda rollout: pytest.fail("nothing is blank")) == 0
+
+  # The oldest version of each returned sample, as its row's versions say, also for samples carried over
+  # a version change (tokens of versions 0 and 1).
+  outs = [first] + later_runs(engine)
+  for out in outs:
+    ro = out.rollout
+    by_row = [int(ro.version_bt[b, p:p + n].min()) if n else -1
+              for b, (p, n) in enumerate(zip(ro.prompt_len_b, ro.response_len_b))]
+    assert out.min_version_b.tolist() == by_row
+  ro = outs[1].rollout
+  assert any({0, 1} <= set(ro.version_bt[b, p:p + n].tolist())
+             for b, (p, n) in enumerate(zip(ro.prompt_len_b, ro.response_len_b)))
+
+
 def test_load_checks_config_and_freshness():
   engine, _ = first_run()
   state = npz_round_trip(engine.state_dict())

@@ -140,6 +140,8 @@ def test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics(tm
 # The StaleSync tests share one 1-process reference run and one 2-process run stopped by SIGTERM (module
 # fixtures): one worker runs both.
 _STALESYNC_STEPS = 6
+# A checkpoint every step, all kept: what each holds is checked complete (_saved_rows).
+_STALESYNC_SAVES = ["--config.run.checkpoint_every=1", "--config.run.keep_checkpoints=10"]
 stalesync_group = pytest.mark.xdist_group("multihost_run_test.py::stalesync")
 
 
@@ -156,7 +158,7 @@ def stalesync_stopped(tmp_path_factory) -> dict:
   left it (resumed on another process count by the other)."""
   tmp_path = tmp_path_factory.mktemp("stalesync_stopped")
   workdir = str(tmp_path / "two")
-  args = _args(workdir, variant=":stalesync", steps=_STALESYNC_STEPS)
+  args = _args(workdir, variant=":stalesync", steps=_STALESYNC_STEPS, extra=_STALESYNC_SAVES)
   run = launch.start("grpo_main.py", args, processes=2, devices=2, log_dir=str(tmp_path / "two_logs"))
   metrics = os.path.join(workdir, "metrics.jsonl")
   run.wait_for(lambda: len(_recorded_steps(metrics)) >= 3,
@@ -191,7 +193,8 @@ def test_stalesync_across_processes_equals_one_process_also_resumed_on_another_c
   step = _stop_step(stalesync_stopped)
   workdir = stalesync_stopped["copy"]
   assert max(r["step"] for r in _metrics(workdir)) == step
-  run = launch.start("grpo_main.py", _args(workdir, variant=":stalesync", steps=_STALESYNC_STEPS),
+  run = launch.start("grpo_main.py", _args(workdir, variant=":stalesync", steps=_STALESYNC_STEPS,
+                                           extra=_STALESYNC_SAVES),
                      processes=1, devices=4, log_dir=str(tmp_path / "one_logs"))
   assert run.wait(RUN_TIMEOUT) == [0], run.log(0)[-3000:]
   assert "resumed from rl checkpoint" in run.log(0)
@@ -214,28 +217,69 @@ def test_sigterm_to_one_process_stops_both_after_the_same_step_and_they_resume_t
                      log_dir=str(tmp_path / "resume_logs"))
   assert run.wait(RUN_TIMEOUT) == [0, 0], "\n".join(run.log(i)[-3000:] for i in range(2))
   _assert_same_metrics(stalesync_one, workdir)
+  _assert_rows_by_process(workdir)
+  # Each process holds the responses it generated; a checkpoint holds every waiting one, complete.
+  assert _saved_rows(workdir)["queue"] > 0
 
 
-@pytest.mark.parametrize("mode", ["separated", "hybrid", "hybrid_stalesync", "colocated_packed", "full_dynamic"])
+def _saved_rows(workdir: str) -> dict[str, int]:
+  """Checks that every response a kept RL checkpoint's StaleSync state holds is complete (each version of
+  it >= 0: no row left blank for another process to hold) -> how many it checked: queued samples' rows
+  (``queue``) and the engine's finished, unreturned ones (``engine``)."""
+  from rl_fusion_jax import checkpointing  # pylint: disable=g-import-not-at-top
+  from rl_fusion_jax.orchestration import resume  # pylint: disable=g-import-not-at-top
+  from rl_fusion_jax.queue.distqueue import Packed  # pylint: disable=g-import-not-at-top
+  ckpt = checkpointing.Checkpointer(os.path.join(workdir, resume.RL_DIR), keep=100, create=False)
+  counts = {"queue": 0, "engine": 0}
+  try:
+    for step in ckpt.steps():
+      host = ckpt.restore_host(step, ckpt.read_meta(step))
+      columns = host["queue"]["columns"]
+      versions = Packed(columns["version"]["flat"], columns["version"]["lengths"])
+      for i, (p, n) in enumerate(zip(columns["prompt_len"]["values"], columns["response_len"]["values"])):
+        assert (versions.row(i)[p:p + n] >= 0).all(), (step, i)
+        counts["queue"] += 1
+      engine = host["engine"]
+      for v, p, n in zip(engine["done.version_st"], engine["done.prompt_len_s"], engine["done.response_len_s"]):
+        assert (v[p:p + n] >= 0).all(), step
+        counts["engine"] += 1
+  finally:
+    ckpt.close()
+  return counts
+
+
+def _assert_rows_by_process(workdir: str):
+  """Rows by process (Engine.local_rows) in a 2-process run: no finished row was exchanged wholesale, and
+  what crossed between the hosts were rows a process's devices train on that the other process generated:
+  some, on some step."""
+  rows = [r for r in _metrics(workdir) if "loss" in r]
+  assert all(r.get("queue/link_bytes/engine_rows_between_hosts_hosts_sum", 0) == 0 for r in rows)
+  assert any(r["queue/link_bytes/rows_between_hosts_this_host"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("mode", ["separated", "hybrid", "hybrid_stalesync", "colocated_packed", "full_dynamic",
+                                  "colocated_packed_stalesync"])
 def test_deployment_modes_across_processes_equal_one_process(tmp_path, mode):
   """Every sub-mesh takes the same share of each process's devices (hybrid: one aux device each; its update
   on packed rows, a learned reward model beside the reference on the aux devices; hybrid_stalesync: the
   same under StaleSync, where the aux stage's results and the advantages reach the update through the
   queue's fields; colocated_packed: the packed update from rows kept by process, 32 slots for 128 samples;
-  full_dynamic: DAPO's dynamic sampling, its rounds' rows kept by process). (fusion.mode=full, padded:
-  test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics.)"""
-  stalesync, packed, dynamic = mode.endswith("stalesync"), mode.endswith("packed"), mode.endswith("dynamic")
-  mode = mode.split("_")[0]
+  full_dynamic: DAPO's dynamic sampling, its rounds' rows kept by process; colocated_packed_stalesync: the
+  packed update under StaleSync, the queue's rows kept by process). (fusion.mode=full, padded:
+  test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics; StaleSync colocated, padded:
+  the StaleSync tests above.)"""
+  mode, *parts = mode.split("_")
+  stalesync, packed, dynamic = "stalesync" in parts, "packed" in parts, "dynamic" in parts
   extra = [f"--config.fusion.mode={mode}"]
+  if stalesync:
+    extra += ["--config.stalesync.enabled=True", "--config.stalesync.max_staleness=1",
+              "--config.stalesync.train_fraction=0.5", "--config.rollout.num_slots=256"]
   if packed or dynamic:
     extra += ["--config.rollout.num_slots=32"]
   if packed:
     extra += ["--config.optim.pack_rows=True"]
   if dynamic:
     extra += ["--config.algo.dynamic_sampling=True"]
-  if stalesync:
-    extra += ["--config.stalesync.enabled=True", "--config.stalesync.max_staleness=1",
-              "--config.stalesync.train_fraction=0.5", "--config.rollout.num_slots=256"]
   if mode == "hybrid":
     import jax  # pylint: disable=g-import-not-at-top
     from rl_fusion_jax.models import ModelConfig, reward_model  # pylint: disable=g-import-not-at-top
@@ -249,11 +293,11 @@ def test_deployment_modes_across_processes_equal_one_process(tmp_path, mode):
   two = _run(tmp_path, "two", 2, 2, variant=":kl", steps=2, extra=extra)
   # Hybrid's reference scores samples as they finish (aux_stage/*), in one process and across two alike.
   _assert_same_metrics(one, two, only_in_a=())
-  if packed or dynamic:   # rows by process (Engine.local_rows): only the rows a host trains on cross, some do
-    rows = [r for r in _metrics(two) if "loss" in r]
-    assert not dynamic or max(r["dynamic_sampling/rounds"] for r in rows) > 1
-    assert all(r["queue/link_bytes/engine_rows_between_hosts_hosts_sum"] == 0 for r in rows)
-    assert any(r["queue/link_bytes/rows_between_hosts_this_host"] > 0 for r in rows)
+  if mode in ("colocated", "full"):   # rows by process (Engine.local_rows)
+    assert not dynamic or max(r["dynamic_sampling/rounds"] for r in _metrics(two) if "loss" in r) > 1
+    _assert_rows_by_process(two)
+  if stalesync and packed:   # 32 slots: samples finished and not yet returned wait in the engine at a save
+    assert _saved_rows(two)["engine"] > 0
   if mode == "hybrid":
     for run in (one, two):
       rows = [r for r in _metrics(run) if "loss" in r]
@@ -292,9 +336,9 @@ def test_deployment_modes_across_processes_equal_one_process(tmp_path, mode):
       # Device -> host: the actor's 2 devices are 2 batch shards of the engine's slots, one on each process
       # of two. Each shard packs its own finished rows, and each process reads its own shard's blocks only
       # (one process reads both): what the hosts read sums to the run's figure, the same as one process's.
-      # The other shard's rows then come from the other process (every host still holds every row: the
-      # engine's host state and the queue are replicated), one collective whose payloads are padded to
-      # the same power of two on both hosts.
+      # The other shard's rows then come from the other process (hybrid's aux stage reads every row on
+      # every process: loop.local_rows), one collective whose payloads are padded to the same power of two
+      # on both hosts.
       fetch, between = "queue/link_bytes/engine_to_host", "queue/link_bytes/engine_rows_between_hosts"
       if fetch in rb or not stalesync:      # StaleSync skips the rollout phase when the queue fills the update
         assert ra[f"{fetch}_this_host"] == ra[fetch] == rb[fetch] > 0 and ra[f"{between}_this_host"] == 0

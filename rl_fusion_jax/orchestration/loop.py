@@ -133,13 +133,14 @@ def _validate(cfg: ExperimentConfig, workdir: str, tensorboard: bool) -> Setup:
   return setup
 
 
-def local_rows(cfg, programs) -> bool:
+def local_rows(programs) -> bool:
   """Whether the run's engine keeps each process's rows on that process (``Engine.local_rows``): runs
-  across processes of the synchronous step in ``colocated`` or ``full`` mode (padded or packed update,
-  dynamic sampling included). StaleSync's queue and hybrid's aux stage still read every row on every
-  process."""
-  return (distributed.process_count() > 1 and programs.deployment.mode in ("colocated", "full")
-          and not cfg.stalesync.enabled and programs.aux_stage is None)
+  across processes in ``colocated`` or ``full`` mode (the synchronous step or StaleSync; padded or packed
+  update, dynamic sampling included). In ``hybrid`` the aux stage and the update would each fetch the rows
+  their devices hold, more bytes than one exchange of every row over 2 hosts (BENCHMARKS.md, "Rows by
+  process under StaleSync"), and ``separated`` moves its batches between its two sides whole: both
+  exchange every row."""
+  return distributed.process_count() > 1 and programs.deployment.mode in ("colocated", "full")
 
 
 def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False,
@@ -169,7 +170,7 @@ def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False,
       stack.callback(programs.aux_stage.close)
     d = programs.deployment
     share = processes.Share.of_run()   # host scoring split by sample over the processes
-    if local_rows(cfg, programs):
+    if local_rows(programs):
       # Each process keeps the responses of the engine shards it reads; scoring follows the rows, and the
       # update's rows come from their holders (phases.train_phase).
       programs.engine.local_rows = True

@@ -128,6 +128,15 @@ def fill_rows(share: Share, rollout, need) -> tuple:
   return rollout.replace(tokens_bt=tokens, logp_bt=logp, version_bt=version), crossed
 
 
+def sum_over(name: str, numbers, share: Share) -> list[float]:
+  """``numbers`` (a list of floats) summed element by element over the processes of ``share`` (the
+  key-value store; every process calls it with the same ``name`` at the same point)."""
+  numbers = [float(x) for x in numbers]
+  if share.count == 1:
+    return numbers
+  return [float(sum(col)) for col in zip(*(json.loads(t) for t in exchange(f"sum/{name}", json.dumps(numbers))))]
+
+
 def version_range(share: Share, rollout) -> tuple[int, int] | None:
   """The lowest and highest response-token version of ``rollout``'s samples, over every process (each
   reads those of the samples it owns: ``share.owner``); None when no sample has a response token."""

@@ -19,6 +19,11 @@ One step of ``StaleSync.step``:
   5. the common train phase (reward shaping, reference, advantages, update, publish) on the rows and
      scores read from the queue.
 
+Across processes each process's queue replica holds the responses that process generated, and the
+other samples' prompts and lengths (``Engine.local_rows``): an update fetches from their holders only the
+rows its devices train on (``_read_held``), and a checkpoint gathers every waiting response first
+(``state_dict``).
+
 Phase boundaries depend only on sample counts and versions, never on wall-clock, so a run is reproducible
 for a fixed seed. With s = 0 (then f = 1) every started group must finish in its phase and the batch is
 exactly the synchronous one (tested equal to ``phases.rl_step``). This module never drops a sample
@@ -26,6 +31,7 @@ silently: stale groups are counted (``stalesync/discarded_groups``), waiting one
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -34,8 +40,9 @@ from rl_fusion_jax.orchestration import advantage_stage, phases, processes
 from rl_fusion_jax.orchestration.programs import Programs
 from rl_fusion_jax.orchestration.setup import Setup
 from rl_fusion_jax.queue.staleness import WaitingGroup, admit_groups, at_risk_groups, stale_groups, waiting_groups
-from rl_fusion_jax.queue.distqueue import Batch, DistQueue, FieldSpec, unpack
-from rl_fusion_jax.queue.global_batch import queue_arrays
+from rl_fusion_jax.queue.distqueue import Batch, DistQueue, FieldSpec, Packed, pack, unpack
+from rl_fusion_jax.queue.global_batch import local_row_slices, queue_arrays, rows_by_process
+from rl_fusion_jax.sharding import mesh as mesh_lib
 from rl_fusion_jax.timeline import Timeline
 from rl_fusion_jax.types import Rollout
 
@@ -148,12 +155,13 @@ class StaleSync:
     self.counters["discarded_groups"] += len(stale)
     return len(stale)
 
-  def _put(self, rollout: Rollout) -> None:
-    """Finished samples -> the queue, token fields cut to prompt + response (packed, no padding)."""
+  def _put(self, rollout: Rollout, min_version_b) -> None:
+    """Finished samples -> the queue, token fields cut to prompt + response (packed, no padding).
+    ``min_version_b``: each sample's oldest response-token version (the engine's control numbers: also
+    known for a row whose response another process holds, ``Engine.local_rows``)."""
     lengths = rollout.prompt_len_b + rollout.response_len_b
     cut = lambda x_bt: [row[:n] for row, n in zip(x_bt, lengths)]
-    min_version = np.array([v[p:p + n].min() if n else -1 for v, p, n in
-                            zip(rollout.version_bt, rollout.prompt_len_b, rollout.response_len_b)], np.int32)
+    min_version = np.asarray(min_version_b, np.int32)
     self.queue.put(rollout.sample_id_b.astype(np.int64), tokens=cut(rollout.tokens_bt),
                    logp=cut(rollout.logp_bt),
                    version=cut(rollout.version_bt), prompt_len=rollout.prompt_len_b,
@@ -194,7 +202,7 @@ class StaleSync:
         self.queue.write("rm_score", ids, scores, block=False)
     return {f"queue/link_bytes/{k.split('/', 1)[1]}": v for k, v in m.items()}
 
-  def _read(self, indices) -> tuple[Rollout, Rollout, dict, object]:
+  def _read(self, indices) -> tuple[Rollout, Rollout, dict, object, dict]:
     """The admitted samples, sorted by sample id: (host Rollout, device Rollout on the training mesh, their
     sample fields the stages wrote (``SCORE_FIELDS``, ``rm_score``, ``advantage``: those the queue has) read
     from the queue in the same order, empty for a queue without them).
@@ -202,14 +210,18 @@ class StaleSync:
     The device batch is built by ``queue_arrays``: one queue read per data-parallel group of this
     process's devices, each group's rows padded from their packed form on their own (no padded copy of
     the whole batch is built to be split). The host Rollout, for verification and statistics, is unpacked
-    from the same reads; of several processes (each holds a replica of the queue, filled alike), the rows
+    from the same reads; of several processes (each holds a replica of the queue: the same samples), the rows
     the other processes fed come from one uncounted read of this replica (``counted=False``), so the
     queue's byte counters hold what this process fed. Both are as wide as the update runs
     (``phases.batch_width``: ``seq_len``, or with ``optim.width_buckets`` the admitted samples' bucket).
     With the packed update taking its rows from the host (``programs.packed_inputs``) there is no device
     Rollout (None): the admitted samples are read once, as the host Rollout. Last: the reference's
     log-probs from the queue (``ref_logp``; None without that field), as the device batch holds them, or
-    as host rows [B, width] for the packed update."""
+    as host rows [B, width] for the packed update. Then metrics of the read (``_read_held``'s).
+
+    Where each process holds only the responses it generated (``Engine.local_rows``), the device batch is
+    ``_read_held``'s, and the packed update's host Rollout holds the others' rows blank
+    (``phases.train_phase`` fills in those its groups train on)."""
     order = np.sort(np.asarray(indices, np.int64))
     lengths = self.queue.peek(order, ("prompt_len", "response_len"))
     width = phases.batch_width(self.setup.cfg, lengths["prompt_len"] + lengths["response_len"])
@@ -223,7 +235,10 @@ class StaleSync:
       # run, on process 0, so the counters summed over the processes hold what the run fed.
       batch = self.queue.read(CONSUMER, order, counted=processes.process_index() == 0)
       ref = unpack(batch.tokens["ref_logp"], width, PADS["ref_logp"]) if "ref_logp" in self.aux_fields else None
-      return host_rollout([batch], width), None, scores([batch]), ref
+      return host_rollout([batch], width), None, scores([batch]), ref, {}
+    if self.programs.engine.local_rows:
+      host, device, reads, ref, metrics = self._read_held(order, width)
+      return host, device, scores(reads), ref, metrics
     reads: list[Batch] = []
 
     def read(part):
@@ -241,7 +256,41 @@ class StaleSync:
       reads += [self.queue.read(CONSUMER, part, counted=False) for part in _runs(others, order)]
     reads.sort(key=lambda b: int(b.indices[0]))
     host = host_rollout(reads, width)
-    return host, device, scores(reads), arrays.get("ref_logp")
+    return host, device, scores(reads), arrays.get("ref_logp"), {}
+
+  def _read_held(self, order: np.ndarray, width: int) -> tuple:
+    """``_read``'s padded device batch where each process's replica holds the responses of the samples it
+    generated only (``Engine.local_rows``; the others' rows there are blank, lengths in place): the rows
+    of this process's data-parallel groups are read from the replica as ``queue_arrays`` reads them, and the
+    responses of those that another process holds come from it (``processes.fill_rows``: those rows only,
+    point to point). -> (host Rollout: the rows this process holds or trains on filled in, device Rollout,
+    the queue reads in row order, the device batch's ``ref_logp`` (None: the queue has no such field),
+    metrics: ``queue/link_bytes/rows_between_hosts_this_host``)."""
+    mesh, share = self.programs.mesh, self.programs.verify.share
+    sharding = mesh_lib.batch_sharding(mesh, 1)
+    mine = {(a, b): self.queue.read(CONSUMER, order[a:b]) for a, b in local_row_slices(sharding, len(order))}
+    fed = np.concatenate([order[a:b] for a, b in mine] or [np.zeros((0,), np.int64)])
+    reads = list(mine.values()) + [self.queue.read(CONSUMER, part, counted=False)
+                                   for part in _runs(np.setdiff1d(order, fed), order) if len(part)]
+    reads.sort(key=lambda b: int(b.indices[0]))
+    need = rows_by_process(sharding, len(order), share.count)
+    host, crossed = processes.fill_rows(share, host_rollout(reads, width), need)
+    lengths = host.prompt_len_b + host.response_len_b
+
+    def read(part):   # this group's rows, with the responses filled in
+      a = int(np.searchsorted(order, part[0]))
+      rows = range(a, a + len(part))
+      filled = {name: pack([x[i, :lengths[i]] for i in rows], x.dtype) for name, x in
+                (("tokens", host.tokens_bt), ("logp", host.logp_bt), ("version", host.version_bt))}
+      return dataclasses.replace(mine[a, a + len(part)], tokens=mine[a, a + len(part)].tokens | filled)
+
+    arrays = queue_arrays(mesh, read, order, width, pads=PADS)
+    device = Rollout(tokens_bt=arrays["tokens"], prompt_len_b=arrays["prompt_len"],
+                     response_len_b=arrays["response_len"], logp_bt=arrays["logp"],
+                     version_bt=arrays["version"], finished_b=arrays["finished"],
+                     sample_id_b=arrays["sample_id"])
+    return host, device, reads, arrays.get("ref_logp"), {
+        "queue/link_bytes/rows_between_hosts_this_host": float(crossed)}
 
   # -- one step ----------------------------------------------------------------------------------------
 
@@ -258,7 +307,7 @@ class StaleSync:
       return state, {"generate_s": 0.0, "stalesync/rollout_skipped": 1.0}
     state, result, metrics = phases.generation_phase(self.programs, state, step, timeline, run)
     if len(result.rollout.sample_id_b):
-      self._put(result.rollout)
+      self._put(result.rollout, result.min_version_b)
       if self.aux_fields:
         metrics |= self._aux(result.rollout, step, timeline)
       if self.scores_in_queue:
@@ -284,13 +333,15 @@ class StaleSync:
   def step(self, state, ref_resting, step: int, timeline: Timeline):
     """One StaleSync step at learner version ``step``; returns (state, metrics)."""
     t_start = time.perf_counter()
+    # Who holds each response (Engine.local_rows): kept for the samples held in the engine or the queue.
+    self.programs.engine.forget_readers(keep=self.queue.live())
     phases.begin_aux_stage(self.programs, ref_resting, timeline, step)
     added = self._top_up()
     discarded = self._discard_stale(step)
     state, metrics = self._generate(state, step, timeline)
     groups, indices, adm_metrics = self._admit(step)
     depth_before = self.queue.stats().get("depth", 0.0)
-    rollout, device_rollout, read_scores, ref_logp = self._read(indices)
+    rollout, device_rollout, read_scores, ref_logp, read_metrics = self._read(indices)
     problems = [self.setup.train_task.problem(g) for g in groups]
     scored = None
     if read_scores:
@@ -300,29 +351,66 @@ class StaleSync:
                                   rollout, device_rollout, scored=scored, advantages=read_scores.get("advantage"),
                                   ref_logp=ref_logp, rm_scores=read_scores.get("rm_score"))
     self.counters["trained_groups"] += len(groups)
-    versions = [rollout.version_bt[b, p:p + n] for b, (p, n) in
-                enumerate(zip(rollout.prompt_len_b, rollout.response_len_b))]
-    metrics |= m | adm_metrics | {
+    metrics |= m | read_metrics | adm_metrics | {
         "stalesync/added_groups": float(added), "stalesync/discarded_now": float(discarded),
         "stalesync/waiting_samples_after": float(depth_before - len(indices)),
         "stalesync/engine_groups": float(len(self.programs.engine.group_min_versions())),
-        "stalesync/trained_token_staleness_mean": float(np.mean(np.concatenate(
-            [step - v for v in versions]))) if any(len(v) for v in versions) else 0.0,
+        "stalesync/trained_token_staleness_mean": self._staleness_mean(rollout, step),
         "data_position": float(self.data_position), "step_s": time.perf_counter() - t_start}
     metrics |= {f"stalesync/{k}_total": float(v) for k, v in self.counters.items()}
     metrics |= {f"queue/{k}": float(v) for k, v in self.queue.stats(width=self.r.seq_len).items()
                 if not k.startswith("wait_s")}
     return state, metrics
 
+  def _staleness_mean(self, rollout: Rollout, learner: int) -> float:
+    """Mean of ``learner`` - version over the trained response tokens (each process sums the samples it
+    owns, ``processes.Share``: with ``Engine.local_rows`` it holds the responses of those only)."""
+    share = self.programs.verify.share
+    owned = np.flatnonzero(share.owns(rollout.sample_id_b))
+    versions = [rollout.version_bt[b, p:p + n] for b, p, n in
+                zip(owned, rollout.prompt_len_b[owned], rollout.response_len_b[owned])]
+    total, count = processes.sum_over("staleness", [sum(float((learner - v).sum()) for v in versions),
+                                                    sum(len(v) for v in versions)], share)
+    return total / count if count else 0.0
+
   # -- checkpointing ----------------------------------------------------------------------------------
 
   def state_dict(self) -> dict:
     """The schedule's host state (every process calls it at a save; the queue's transfer counters are
-    the run's, summed over the processes)."""
+    the run's, summed over the processes). Where each process holds only the responses it generated
+    (``Engine.local_rows``), every process first receives every waiting sample's response from its holder
+    (the queue's and the engine's finished ones), so each saves the same complete state, which any process
+    count restores."""
+    engine, share = self.programs.engine, self.programs.verify.share
     queue = self.queue.state_dict()
+    if engine.local_rows:
+      everyone = lambda rollout: processes.fill_rows(share, rollout, np.ones((share.count, len(
+          rollout.sample_id_b)), bool))[0]
+      engine.hold_finished(everyone)
+      _fill_queue_state(queue, everyone, self.r.seq_len)
     queue["counters"] = processes.run_queue_counters(queue["counters"])
     return {"data_position": self.data_position, "counters": dict(self.counters),
-            "queue": queue, "engine": self.programs.engine.state_dict()}
+            "queue": queue, "engine": engine.state_dict()}
+
+
+def _fill_queue_state(queue: dict, fill, seq_len: int) -> None:
+  """A queue's ``state_dict`` with every live sample's token fields (``TOKEN_FIELDS``) replaced, in place,
+  by ``fill``'s: a fixed-width host Rollout of them (blank where another process holds the response) ->
+  the same complete."""
+  columns = queue["columns"]
+  ids = columns["sample_id"]["indices"]
+  for name in ("tokens", "logp", "version", "prompt_len", "response_len", "finished"):
+    if not np.array_equal(columns[name]["indices"], ids):
+      raise RuntimeError(f"StaleSync: the queue's {name!r} column holds other samples than its sample_id column")
+  token = lambda name, pad: unpack(Packed(columns[name]["flat"], columns[name]["lengths"]), seq_len, pad)
+  rollout = Rollout(tokens_bt=token("tokens", 0), prompt_len_b=columns["prompt_len"]["values"],
+                    response_len_b=columns["response_len"]["values"], logp_bt=token("logp", 0.0),
+                    version_bt=token("version", -1), finished_b=columns["finished"]["values"],
+                    sample_id_b=columns["sample_id"]["values"])
+  filled = fill(rollout)
+  lengths = columns["tokens"]["lengths"]
+  for name, x in (("tokens", filled.tokens_bt), ("logp", filled.logp_bt), ("version", filled.version_bt)):
+    columns[name]["flat"] = pack([row[:n] for row, n in zip(x, lengths)], x.dtype).flat
 
 
 def _runs(subset: np.ndarray, order: np.ndarray) -> list[np.ndarray]:
@@ -341,3 +429,4 @@ def from_state(setup: Setup, programs: Programs, host: dict | None) -> StaleSync
       host["queue"]["counters"])})
   return StaleSync(setup, programs, int(host["data_position"]), queue,
                    {k: int(v) for k, v in host["counters"].items()})
+

@@ -285,6 +285,11 @@ class DistQueue:
       self._consume(consumer, indices)
       return batch
 
+  def live(self) -> np.ndarray:
+    """Ascending indices of the samples held now (put and neither read by every consumer nor dropped)."""
+    with self._cond:
+      return np.array(sorted(self._live), np.int64)
+
   def peek(self, indices, fields: Sequence[str]) -> dict[str, np.ndarray]:
     """Sample (scalar) fields of live samples, for scheduling decisions; consumes and counts nothing."""
     with self._cond:

@@ -32,9 +32,11 @@ that hold them and three numbers per row (finished, prompt length, response leng
 sent back, and nothing pads a row to ``seq_len`` on the link (``link_bytes/engine_to_host`` against
 ``..._padded``). Across processes the shards' bytes are then exchanged, so that every host holds every row
 (``link_bytes/engine_rows_between_hosts_this_host``), unless ``local_rows``: then each host keeps the rows
-it read and, of the others, what the control numbers say (``readers``: who holds which). Nothing is read
-back per token, and the full slot state never is inside a run. The oldest token version of each in-flight
-sample is kept on the host from the response lengths (each chunk's tokens carry the run's version).
+it read and, of the others, what the control numbers say (``readers``: who holds which;
+``hold_finished`` fills the unreturned ones in before a checkpoint). Nothing is read back per token, and
+the full slot state never is inside a run. The oldest token version of each in-flight sample is kept on
+the host from the response lengths (each chunk's tokens carry the run's version), and goes with the
+sample when it finishes (``RunResult.min_version_b``): known without its row.
 
 Determinism: the engine's base key comes from ``seed`` and token t of a sample is drawn with key
 (seed, sample id, t), always from the logits of one decode step. Under fixed weights a sample's tokens
@@ -141,10 +143,13 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class RunResult:
-  """What one ``run`` returns: finished samples as a host Rollout (numpy), their groups, and counters."""
+  """What one ``run`` returns: finished samples as a host Rollout (numpy), their groups, and counters.
+  ``min_version_b``: each sample's oldest response-token version (-1: no response token), from the
+  control numbers, so also of a row whose response another process holds (``Engine.local_rows``)."""
   rollout: Rollout
   group_id_b: np.ndarray
   stats: dict
+  min_version_b: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +165,10 @@ class _Finished:
   order: tuple[int, int]      # (chunk counter when collected, sample id): completion order
   group_id: int
   row: dict | None            # host numpy fields of one SlotState row (None until read: ``_read_rows``)
+  # The oldest version among its response tokens (None: none), from the host's view of the slots: known
+  # without the row, and checked against the row wherever this process reads it.
+  min_version: int | None = None
+  held: bool = True           # False: another process holds its response (``local_rows``); the row is blank
 
 
 class Engine:
@@ -281,7 +290,7 @@ class Engine:
       if r is not None:
         yield r.group_id, self._min_version_s[s]
     for f in self._finished:
-      yield f.group_id, _min_version(f.row["version_st"], f.row["prompt_len_s"], f.row["response_len_s"])
+      yield f.group_id, f.min_version
 
   # -- run -------------------------------------------------------------------------------------------
 
@@ -318,12 +327,36 @@ class Engine:
     stats.update(seconds=time.perf_counter() - t0, returned=len(result[1]), in_flight=self.num_in_flight,
                  queued=len(self._queue), unreturned=len(self._finished))
     stats["slot_utilization"] = stats["generated_tokens"] / max(1, stats["decode_steps"] * self.cfg.num_slots)
-    return RunResult(rollout=result[0], group_id_b=result[1], stats=dict(stats))
+    return RunResult(rollout=result[0], group_id_b=result[1], stats=dict(stats), min_version_b=result[2])
 
-  def forget_readers(self) -> None:
-    """Drops ``readers`` of the samples already returned (the caller's step is done with them)."""
-    for sample_id in [s for s in self.readers if s not in self._ids]:
+  def forget_readers(self, keep=()) -> None:
+    """Drops ``readers`` of the samples already returned (the caller is done with them), but those of
+    ``keep`` (sample ids the caller still holds, e.g. StaleSync's queued samples)."""
+    keep = set(int(k) for k in keep)
+    for sample_id in [s for s in self.readers if s not in self._ids and s not in keep]:
       del self.readers[sample_id]
+
+  def hold_finished(self, fill) -> int:
+    """``local_rows``: makes this process hold the responses of every finished sample not yet returned.
+    ``fill``: a host Rollout of those samples (responses blank where another process holds them) -> the
+    same with every response filled in (e.g. ``processes.fill_rows`` to every process; a collective, so
+    every process calls this at the same point). Returns how many rows were filled. What a checkpoint of
+    ``state_dict`` needs: every process then saves the same, complete rows."""
+    done = sorted(self._finished, key=lambda f: f.order)
+    if not any(not f.held for f in done):
+      return 0
+    filled = fill(_stack([f.row for f in done], self.cfg.spec.seq_len))
+    count = 0
+    for b, f in enumerate(done):
+      if not f.held:
+        for name, x in (("tokens_st", filled.tokens_bt), ("logp_st", filled.logp_bt),
+                        ("version_st", filled.version_bt)):
+          f.row[name] = np.array(x[b])
+        if _min_version(f.row["version_st"], f.row["prompt_len_s"], f.row["response_len_s"]) != f.min_version:
+          raise AssertionError(f"engine: sample {int(f.row['sample_id_s'])} filled with other versions than "
+                               "its control numbers")
+        f.held, count = True, count + 1
+    return count
 
   def _check_target(self, target_samples, target_groups, finish_groups) -> _Target | None:
     if target_samples is not None and target_groups is not None:
@@ -388,8 +421,8 @@ class Engine:
                      key=lambda f: (rank[f.group_id], f.row["sample_id_s"]))
       self._finished = [f for f in self._finished if f.group_id not in rank]
     self._forget(taken)
-    return _stack([f.row for f in taken], self.cfg.spec.seq_len), np.asarray(
-        [f.group_id for f in taken], np.int32)
+    return (_stack([f.row for f in taken], self.cfg.spec.seq_len), np.asarray([f.group_id for f in taken], np.int32),
+            np.asarray([-1 if f.min_version is None else f.min_version for f in taken], np.int32))
 
   def _forget(self, taken) -> None:
     """Drops the bookkeeping of returned samples, so it stays bounded by the live ones over a long run.
@@ -407,17 +440,18 @@ class Engine:
   def state_dict(self) -> dict:
     """Everything ``run`` continues from, as numpy arrays and Python scalars (no device arrays).
 
-    Not with ``local_rows`` while finished samples wait to be returned: this process holds only some of
-    their responses.
+    Not while a finished sample waiting to be returned has its response on another process
+    (``local_rows``): ``hold_finished`` first.
 
     Queued requests, in-flight slot rows (tokens, behaviour log-probs, versions, lengths; not the KV
     cache), finished samples not yet returned with their completion order, the group counters, the
     chunk counter, and the config fields that change what is generated. Flat with string keys, so
     ``np.savez(path, **state)`` stores it as is.
     """
-    if self.local_rows and self._finished:
-      raise RuntimeError(f"Engine.state_dict: {len(self._finished)} finished samples not yet returned, and "
-                         "with local_rows this process holds only the responses of its own shards")
+    blank = [int(f.row["sample_id_s"]) for f in self._finished if not f.held]
+    if blank:
+      raise RuntimeError(f"Engine.state_dict: finished samples {blank[:5]} (of {len(blank)}) have their "
+                         "responses on another process (local_rows): call hold_finished first")
     slot_f = [s for s, r in enumerate(self._occupant) if r is not None]
     host = fetch(self._state) if slot_f else None   # the in-flight rows: fetched only here
     done = sorted(self._finished, key=lambda f: f.order)
@@ -456,7 +490,8 @@ class Engine:
     # Completion order: (chunk, position in its outbox); states written before "done.rank" ranked a chunk's
     # samples by id.
     ranks = state.get("done.rank", [row["sample_id_s"] for row in rows])
-    self._finished = [_Finished((int(chunk), int(rank)), int(g), row)
+    self._finished = [_Finished((int(chunk), int(rank)), int(g), row,
+                                _min_version(row["version_st"], row["prompt_len_s"], row["response_len_s"]))
                       for chunk, rank, g, row in zip(state["done.chunk"], ranks, state["done.group_id"], rows)]
     self._group_added, self._group_returned = (
         collections.Counter({int(g): int(n) for g, n in np.asarray(state[f"groups.{name}"])})
@@ -532,7 +567,14 @@ class Engine:
       rank[int(r)] += 1
     if [rank[r] for r in range(len(out_n))] != [int(n) for n in out_n]:
       raise AssertionError(f"engine: finished samples per shard {dict(rank)}, the outboxes hold {list(out_n)}")
-    entries = [_Finished((self._chunks, i), r.group_id, None) for i, r in enumerate(out)]
+    # A finished sample's oldest token version: its slot's as of the last chunk, or this run's if it had no
+    # token before this chunk (versions only grow); None with no response token.
+    slot_of = {r.sample_id: s for s, r in enumerate(self._occupant) if r is not None}
+    oldest = lambda r, n: (None if n == 0 else policy_version if r.sample_id not in slot_of
+                           or self._min_version_s[slot_of[r.sample_id]] is None
+                           else min(self._min_version_s[slot_of[r.sample_id]], policy_version))
+    entries = [_Finished((self._chunks, i), r.group_id, None, oldest(r, int(out_len[i]) >> 1))
+               for i, r in enumerate(out)]
     if entries:
       self._finished.extend(entries)
       self._unread.append((entries, out, flat, places, np.array(out_len[:num_out]), np.array(out_n),
@@ -664,7 +706,11 @@ class Engine:
           meta = np.asarray([[out_len[i] & 1, len(requests[i].prompt), out_len[i] >> 1] for i in at], np.int32)
           unpacked = (meta,) + (None,) * 3
         for i, row in zip(at, _unpack_rows(*unpacked, [requests[i] for i in at], seq_len)):
-          entries[i].row = row
+          entries[i].row, entries[i].held = row, r in bytes_r
+          if r in bytes_r and _min_version(row["version_st"], row["prompt_len_s"],
+                                           row["response_len_s"]) != entries[i].min_version:
+            raise AssertionError(f"engine: sample {int(requests[i].sample_id)}'s versions disagree with the "
+                                 f"host's view of its slot ({entries[i].min_version})")
           if self.local_rows:
             self.readers[int(requests[i].sample_id)] = owner[r]
       if self.on_finished is not None:
@@ -834,3 +880,4 @@ def _stack(rows: list[dict], seq_len: int) -> Rollout:
       version_bt=field("version_st", (0, seq_len), np.int32),
       finished_b=field("finished_s", (0,), bool),
       sample_id_b=field("sample_id_s", (0,), np.int32))
+
