@@ -97,6 +97,37 @@ def test_chunks_scored_early_equal_the_batch_scored_at_once(packed):
   assert np.abs(want_rw).max() > 0.1
 
 
+def test_samples_are_scored_by_their_engine_shards_group():
+  """``submit`` with the engine's batch shards: each sample is packed into the rows of the aux group of the
+  shard that generated it (engine shard r of 4 -> aux group r x 2 / 4 of 2: on the process that holds its
+  row where the two meshes split over the processes alike), and the results still equal the batch's."""
+  cfg, mesh, params, fn, stage = _setup(capacity=64)
+  stage.engine_shards = 4
+  batch = _samples(16, cfg.model.config.vocab_size)
+  shard = np.random.default_rng(3).integers(0, 4, 16)
+  shard[:2] = [0, 3]                                   # both groups take samples
+  placed, score_block = [], stage._score_block
+  stage._score_block = lambda rollout, rows, row_k, *rest: (
+      placed.append((rollout.sample_id_b[rows].tolist(), np.asarray(row_k).tolist())),
+      score_block(rollout, rows, row_k, *rest))
+  stage.begin(params, None, 0)
+  for idx in (np.arange(0, 7), np.arange(7, 16)):
+    stage.submit(_part(batch, idx), None, shard[idx])
+  per_group = stage.block_rows // stage.shards
+  group_of = {int(s): int(shard[i]) * 2 // 4 for i, s in enumerate(batch.sample_id_b)}
+  assert sorted(s for ids, _ in placed for s in ids) == batch.sample_id_b.tolist()
+  assert all(row // per_group == group_of[s] for ids, rows in placed for s, row in zip(ids, rows))
+  lengths = batch.prompt_len_b + batch.response_len_b
+  layout = packing.plan(lengths, SEQ_LEN, packing.row_buckets(16, 2, per_doubling=2), groups=2)
+  got, _, metrics = stage.take(batch, layout, SEQ_LEN)
+  assert metrics["aux_stage/early_frac"] == 1.0
+  rows, _ = packed_step.place_rows(mesh, layout, tokens_bt=batch.tokens_bt, behaviour_logp_bt=batch.logp_bt,
+                                   version_bt=batch.version_bt, prompt_len_b=batch.prompt_len_b, vocab_size=128)
+  positions, segments, _, _ = packed_step.make_row_layout(mesh)(rows)
+  np.testing.assert_allclose(np.asarray(jax.device_get(got)),
+                             np.asarray(fn(params, rows.tokens_rw, positions, segments)), rtol=1e-5, atol=1e-5)
+
+
 def test_every_call_has_one_shape_and_reused_rows_read_back_only_their_sample():
   # Chunks of 1, 9 and 54 samples (the last over several blocks of block_rows rows): the stage's programs
   # compile on the first chunk only. Then a second batch of shorter samples takes the same buffer rows:

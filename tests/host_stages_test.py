@@ -100,13 +100,17 @@ def test_engine_reports_each_finished_sample_once():
   engine = Engine(EngineConfig(GenerateSpec(cfg, SamplingParams(1.0), 4, 12, 1), num_slots=8, chunk_steps=2,
                                group_size=2), mesh, shardings)
   seen = []
-  engine.on_finished = lambda rollout, groups: seen.append((rollout.sample_id_b.tolist(), groups.tolist()))
+  engine.on_finished = lambda rollout, groups, shards: seen.append((rollout.sample_id_b.tolist(), groups.tolist(),
+                                                                    shards.tolist()))
   lengths = [1 + (7 * i) % 12 for i in range(16)]          # forced lengths 1..12: finishing at many chunks
   engine.add([Request(i, i // 2, np.array([3, 4, 5], np.int32), lengths[i]) for i in range(16)])
   returned = []
   while engine.num_queued or engine.num_in_flight or engine.num_unreturned:
     returned += engine.run(params, 0, target_groups=2).rollout.sample_id_b.tolist()
-  ids = [i for chunk, _ in seen for i in chunk]
+  ids = [i for chunk, _, _ in seen for i in chunk]
   assert sorted(ids) == sorted(returned) == list(range(16))   # each once
   assert len(seen) > 3                                         # chunk by chunk, not once at the end
-  assert all(g == [i // 2 for i in chunk] for chunk, g in seen)
+  assert all(g == [i // 2 for i in chunk] for chunk, g, _ in seen)
+  # Each sample's batch shard: one of the mesh's 8 (a slot each), several in use.
+  shards = [r for _, _, chunk in seen for r in chunk]
+  assert len(shards) == 16 and set(shards) <= set(range(8)) and len(set(shards)) > 1

@@ -44,8 +44,10 @@ class VerifyStage:
 
   # -- producer side (the engine's listener) --------------------------------------------------------
 
-  def submit(self, rollout: Rollout, group_id_b: np.ndarray) -> None:
-    """Starts scoring finished samples (host arrays) in the background; a no-op without workers."""
+  def submit(self, rollout: Rollout, group_id_b: np.ndarray, shard_b=None) -> None:
+    """Starts scoring finished samples (host arrays) in the background; a no-op without workers.
+    ``shard_b`` (the engine's batch shards that generated them) is not needed here."""
+    del shard_b
     mine = np.flatnonzero(self.share.owns(rollout.sample_id_b))
     if self._pool is None or not len(mine):
       return

@@ -135,12 +135,9 @@ def _validate(cfg: ExperimentConfig, workdir: str, tensorboard: bool) -> Setup:
 
 def local_rows(programs) -> bool:
   """Whether the run's engine keeps each process's rows on that process (``Engine.local_rows``): runs
-  across processes in ``colocated`` or ``full`` mode (the synchronous step or StaleSync; padded or packed
-  update, dynamic sampling included). In ``hybrid`` the aux stage and the update would each fetch the rows
-  their devices hold, more bytes than one exchange of every row over 2 hosts (BENCHMARKS.md, "Rows by
-  process under StaleSync"), and ``separated`` moves its batches between its two sides whole: both
-  exchange every row."""
-  return distributed.process_count() > 1 and programs.deployment.mode in ("colocated", "full")
+  across processes in ``colocated``, ``full`` or ``hybrid`` mode (the synchronous step or StaleSync;
+  padded or packed update, dynamic sampling included). ``separated`` exchanges every row."""
+  return distributed.process_count() > 1 and programs.deployment.mode in ("colocated", "full", "hybrid")
 
 
 def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False,
@@ -175,6 +172,8 @@ def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False,
       # update's rows come from their holders (phases.train_phase).
       programs.engine.local_rows = True
       share = dataclasses.replace(share, readers=programs.engine.readers)
+      if programs.aux_stage is not None:   # it fills in the tokens its process's aux devices score
+        programs.aux_stage.share = share
     programs.verify.share = share
     logging.info("mode %s: rollout mesh %s, training mesh %s (%s)", d.mode, dict(d.rollout_mesh.shape),
                  dict(d.train_mesh.shape), jax.devices()[0].platform)

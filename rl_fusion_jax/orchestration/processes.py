@@ -87,45 +87,45 @@ def gather_rows(name: str, share: Share, sample_ids, arrays, timeout_s: int = 60
   return out
 
 
-# A response token's bytes when rows move between processes: its id (int32), log-prob (float32) and
-# version (int32).
-ROW_TOKEN_BYTES = 12
+# The per-token fields of a host Rollout that ``fill_rows`` moves, 4 bytes a response token each: its id
+# (int32), log-prob (float32) and version (int32).
+ROW_FIELDS = ("tokens_bt", "logp_bt", "version_bt")
+_WIRE = {"tokens_bt": "<i4", "logp_bt": "<f4", "version_bt": "<i4"}
 
 
-def fill_rows(share: Share, rollout, need) -> tuple:
+def fill_rows(share: Share, rollout, need, fields=ROW_FIELDS) -> tuple:
   """A host Rollout whose responses are held by their owners (``share.owner``; the other rows carry prompt
   and lengths only) -> (the same rollout with the responses of the rows ``need[share.index]`` marks filled
   in from their owners, the bytes that crossed to this process). ``need[p]``: bool [B], the rows process p
   needs; every process passes the same ``need``. Each owner sends each process exactly the rows it needs
-  (``distributed.send_bytes``), so no process receives a row it does not need."""
+  (``distributed.send_bytes``), so no process receives a row it does not need. ``fields``: which of
+  ``ROW_FIELDS`` move (e.g. ``("tokens_bt",)`` for a model that reads the tokens only)."""
   if share.count == 1:
     return rollout, 0
   need = np.asarray(need, bool)
   owner = share.owner(rollout.sample_id_b)
   start_b = np.asarray(rollout.prompt_len_b, np.int64)
   len_b = np.asarray(rollout.response_len_b, np.int64)
+  per_token = 4 * len(fields)
   rows = lambda p, q: np.flatnonzero((owner == p) & need[q]) if p != q else np.zeros((0,), np.int64)
-  sizes = np.asarray([[ROW_TOKEN_BYTES * int(len_b[rows(p, q)].sum()) for q in range(share.count)]
+  sizes = np.asarray([[per_token * int(len_b[rows(p, q)].sum()) for q in range(share.count)]
                       for p in range(share.count)], np.int64)
   cut = lambda x, b: np.ascontiguousarray(x[b, start_b[b]:start_b[b] + len_b[b]])
-  payloads = [np.concatenate([np.concatenate([cut(rollout.tokens_bt, b).astype("<i4").view(np.uint8),
-                                              cut(rollout.logp_bt, b).astype("<f4").view(np.uint8),
-                                              cut(rollout.version_bt, b).astype("<i4").view(np.uint8)])
+  payloads = [np.concatenate([np.concatenate([cut(getattr(rollout, f), b).astype(_WIRE[f]).view(np.uint8)
+                                              for f in fields])
                               for b in rows(share.index, q)] or [np.zeros((0,), np.uint8)])
               for q in range(share.count)]
   received = send_bytes(payloads, sizes)
-  tokens, logp, version = (np.array(x) for x in (rollout.tokens_bt, rollout.logp_bt, rollout.version_bt))
+  out = {f: np.array(getattr(rollout, f)) for f in fields}
   for p, data in enumerate(received):
     offset = 0
     for b in rows(p, share.index):
       n, s = int(len_b[b]), slice(int(start_b[b]), int(start_b[b] + len_b[b]))
-      part = data[offset:offset + ROW_TOKEN_BYTES * n]
-      tokens[b, s] = part[:4 * n].view("<i4")
-      logp[b, s] = part[4 * n:8 * n].view("<f4")
-      version[b, s] = part[8 * n:].view("<i4")
-      offset += ROW_TOKEN_BYTES * n
+      for j, f in enumerate(fields):
+        out[f][b, s] = data[offset + 4 * n * j:offset + 4 * n * (j + 1)].view(_WIRE[f])
+      offset += per_token * n
   crossed = (share.count - 1) * padded_bytes(sizes.max()) if sizes.any() else 0
-  return rollout.replace(tokens_bt=tokens, logp_bt=logp, version_bt=version), crossed
+  return rollout.replace(**out), crossed
 
 
 def sum_over(name: str, numbers, share: Share) -> list[float]:

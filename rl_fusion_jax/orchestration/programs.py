@@ -198,13 +198,14 @@ class Programs:
                                                          mesh_lib.replicated(self.mesh)))
     self.reward_model = self._reward_model(setup)
     self.aux_stage = (aux_stage.AuxStage(cfg, self, d.aux_group, 2 * (r.slots + r.batch_size), reference=stage,
-                                         reward=hybrid and self.reward_model is not None)
+                                         reward=hybrid and self.reward_model is not None,
+                                         engine_shards=mesh_lib.batch_shards(d.rollout_mesh))
                       if stage or (hybrid and self.reward_model is not None) else None)
     self.verify = VerifyStage(setup.train_task, setup.tokenizer, r.group_size, cfg.task.verify_workers)
     self.engine.on_finished = self.verify.submit
     if self.aux_stage is not None:
       stages = (self.verify.submit, self.aux_stage.submit)
-      self.engine.on_finished = lambda rollout, group_id_b: [f(rollout, group_id_b) for f in stages]
+      self.engine.on_finished = lambda *finished: [f(*finished) for f in stages]
 
   def _several_updates(self, cfg: ExperimentConfig, model_cfg, temperature: float, d) -> None:
     """With ``algo.ppo_epochs`` / ``algo.mini_batches`` (several updates per batch): the update variants

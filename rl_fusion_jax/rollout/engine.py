@@ -214,10 +214,10 @@ class Engine:
     self._group_added: collections.Counter = collections.Counter()
     self._group_returned: collections.Counter = collections.Counter()
     self._chunks = 0
-    # Called with (host Rollout, group ids) of the samples that finished in the last chunk, as soon as
-    # their rows are read (once the next chunk is dispatched: e.g. to score them while it decodes); must
-    # not block.
-    self.on_finished: Callable[[Rollout, np.ndarray], None] | None = None
+    # Called with (host Rollout, group ids, batch shards that generated them) of the samples that finished
+    # in the last chunk, as soon as their rows are read (once the next chunk is dispatched: e.g. to score
+    # them while it decodes); must not block.
+    self.on_finished: Callable[[Rollout, np.ndarray, np.ndarray], None] | None = None
 
   # -- queue -----------------------------------------------------------------------------------------
 
@@ -715,7 +715,8 @@ class Engine:
             self.readers[int(requests[i].sample_id)] = owner[r]
       if self.on_finished is not None:
         self.on_finished(_stack([f.row for f in entries], self.cfg.spec.seq_len),
-                         np.asarray([f.group_id for f in entries], np.int32))
+                         np.asarray([f.group_id for f in entries], np.int32),
+                         np.asarray([r for r, _ in places], np.int32))
     self._unread = []
 
   def _shard_owners(self) -> list[int]:
