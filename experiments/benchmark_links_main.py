@@ -15,7 +15,8 @@ the process whose devices train on it).
 Per RL step it reads from the run's metrics what one host moved (``*_this_host``: the busiest host's):
 the engine's blocks it read from its own devices (``engine_to_host``), the finished rows it received from
 the other hosts after each chunk (``engine_rows_between_hosts``), and the rows its devices train on that it
-received from their holders (``rows_between_hosts``), and the step's loss. Prints a table of the medians
+received from their holders (``rows_between_hosts``), the tokens its aux devices score that it received
+from their holders (``aux_rows_between_hosts``; hybrid), and the step's loss. Prints a table of the medians
 over the steps; ``--out`` writes every step's numbers as JSON. ``PYTHONPATH`` picks the tree that runs
 (``testing.launch`` starts that tree's binary), so one command measures two commits.
 """
@@ -28,7 +29,7 @@ from absl import app, flags
 
 from rl_fusion_jax.testing import launch
 
-_ARMS = flags.DEFINE_list("arms", ["sync", "sync_32", "stalesync", "stalesync_32", "hybrid"],
+_ARMS = flags.DEFINE_list("arms", ["sync", "sync_32", "stalesync", "stalesync_32", "hybrid", "hybrid_32"],
                           "Arms to run (see above).")
 _PROCESSES = flags.DEFINE_integer("processes", 2, "Local processes.")
 _DEVICES = flags.DEFINE_integer("devices", 2, "CPU devices per process.")
@@ -41,7 +42,7 @@ CONFIG = os.path.join(launch.ROOT, "experiments", "configs", "arithmetic.py")
 SETTINGS = ["--config.warmup.steps=8", "--config.warmup.checkpoint_every=0", "--config.task.eval_problems=16",
             "--config.task.eval_samples=0", "--config.run.eval_every=0", "--config.run.checkpoint_every=0",
             "--config.model.num_layers=1", "--config.model.scan_unroll=1"]
-LINKS = ("engine_to_host", "engine_rows_between_hosts", "rows_between_hosts")
+LINKS = ("engine_to_host", "engine_rows_between_hosts", "rows_between_hosts", "aux_rows_between_hosts")
 
 
 def arm_args(arm: str) -> list[str]:
