@@ -274,7 +274,7 @@ def test_deployment_modes_across_processes_equal_one_process(tmp_path, mode):
   if stalesync:
     extra += ["--config.stalesync.enabled=True", "--config.stalesync.max_staleness=1",
               "--config.stalesync.train_fraction=0.5", "--config.rollout.num_slots=256"]
-  if packed or dynamic:
+  if packed or dynamic or mode == "separated":
     extra += ["--config.rollout.num_slots=32"]
   if packed:
     extra += ["--config.optim.pack_rows=True"]
@@ -293,9 +293,9 @@ def test_deployment_modes_across_processes_equal_one_process(tmp_path, mode):
   two = _run(tmp_path, "two", 2, 2, variant=":kl", steps=2, extra=extra)
   # Hybrid's reference scores samples as they finish (aux_stage/*), in one process and across two alike.
   _assert_same_metrics(one, two, only_in_a=())
-  if mode != "separated":   # rows by process (Engine.local_rows)
-    assert not dynamic or max(r["dynamic_sampling/rounds"] for r in _metrics(two) if "loss" in r) > 1
-    _assert_rows_by_process(two)
+  # Rows by process (Engine.local_rows), in every mode.
+  assert not dynamic or max(r["dynamic_sampling/rounds"] for r in _metrics(two) if "loss" in r) > 1
+  _assert_rows_by_process(two)
   if stalesync and packed:   # 32 slots: samples finished and not yet returned wait in the engine at a save
     assert _saved_rows(two)["engine"] > 0
   if mode == "hybrid":

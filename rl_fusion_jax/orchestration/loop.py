@@ -133,11 +133,11 @@ def _validate(cfg: ExperimentConfig, workdir: str, tensorboard: bool) -> Setup:
   return setup
 
 
-def local_rows(programs) -> bool:
-  """Whether the run's engine keeps each process's rows on that process (``Engine.local_rows``): runs
-  across processes in ``colocated``, ``full`` or ``hybrid`` mode (the synchronous step or StaleSync;
-  padded or packed update, dynamic sampling included). ``separated`` exchanges every row."""
-  return distributed.process_count() > 1 and programs.deployment.mode in ("colocated", "full", "hybrid")
+def local_rows() -> bool:
+  """Whether the run's engines keep each process's rows on that process (``Engine.local_rows``): every run
+  across processes (every deployment mode, the synchronous step or StaleSync, padded or packed update,
+  dynamic sampling included, and the evaluation engines)."""
+  return distributed.process_count() > 1
 
 
 def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False,
@@ -167,10 +167,12 @@ def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False,
       stack.callback(programs.aux_stage.close)
     d = programs.deployment
     share = processes.Share.of_run()   # host scoring split by sample over the processes
-    if local_rows(programs):
+    if local_rows():
       # Each process keeps the responses of the engine shards it reads; scoring follows the rows, and the
       # update's rows come from their holders (phases.train_phase).
-      programs.engine.local_rows = True
+      for engine in (programs.engine, programs.eval_engine, programs.sampled_eval_engine):
+        if engine is not None:
+          engine.local_rows = True
       share = dataclasses.replace(share, readers=programs.engine.readers)
       if programs.aux_stage is not None:   # it fills in the tokens its process's aux devices score
         programs.aux_stage.share = share

@@ -186,11 +186,15 @@ def _generate_and_score(setup: Setup, engine, gen_params, problems, samples: int
                         share: processes.Share, examples: list | None = None):
   """(correct, format_ok, rewards) of ``samples`` responses per problem, problem-major (each response its
   own group of one: the engines evaluating have group_size 1). Of several processes (``share``) each
-  decodes and scores the samples it owns and the results are exchanged. ``examples`` (one sample per
+  decodes and scores the samples it owns (those whose responses it holds, under ``Engine.local_rows``)
+  and the results are exchanged. ``examples`` (one sample per
   problem only) receives this process's responses in problem order."""
   repeated = [p for p in problems for _ in range(samples)]
   engine.add(requests(setup.tokenizer, repeated, setup.cfg.rollout.max_prompt_len, 1, first_id, first_id))
   rollout = by_sample_id(engine.run(gen_params, 0).rollout)
+  if engine.local_rows:    # each process holds the responses of its own engine shards: it scores those
+    share = dataclasses.replace(share, readers=dict(engine.readers))
+    engine.forget_readers()
   mine = np.flatnonzero(share.owns(rollout.sample_id_b))   # of several processes: score its own samples
   texts = data.decode_responses(setup.tokenizer, rollout.tokens_bt[mine], rollout.prompt_len_b[mine],
                                 rollout.response_len_b[mine])
