@@ -119,3 +119,22 @@ def test_two_processes_read_own_rows_and_match_one():
       assert f["blank"][b] == (not need[p, b] and readers[b] != p), (p, b)
     sent = [12 * sum(f["response_len"][b] for b in range(8) if readers[b] == q and need[1 - q, b]) for q in (0, 1)]
     assert f["crossed"] == max(256, 1 << (max(sent) - 1).bit_length()) and min(sent) > 0
+  # The engine over both processes: rows by process (local_rows) against every row exchanged, the same
+  # samples back. Each process holds exactly the rows of the samples it read (readers: the same on both,
+  # each process some), equal to the exchanged rows; the others are blank until hold_finished fills every
+  # unreturned one from its holder. The oldest versions come out the same without the rows.
+  engines = [o["engine"] for o in outs]
+  assert engines[0]["readers"] == engines[1]["readers"]
+  filled = []
+  for p, e in enumerate(engines):
+    readers = {int(s): r for s, r in e["readers"].items()}
+    ids = e["returned"] + e["unreturned"]
+    assert e["same_samples"] and e["full_readers"] == {} and len(e["returned"]) == 2 and e["unreturned"]
+    assert sorted(readers) == sorted(ids) and set(readers.values()) == {0, 1}
+    for s in ids:
+      assert e["same"][str(s)] == (readers[s] == p) and e["blank"][str(s)] == (readers[s] != p), (p, s)
+    assert sorted(int(s) for s in e["same_after"]) == sorted(e["unreturned"]) and all(e["same_after"].values())
+    assert e["filled"] == sum(readers[s] != p for s in e["unreturned"])
+    assert e["min_version"][0] == e["min_version"][1]
+    filled.append(e["filled"])
+  assert min(filled) > 0

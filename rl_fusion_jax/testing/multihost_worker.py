@@ -170,6 +170,59 @@ def fill_rows_check() -> dict:
           "response_len": full.response_len_b.tolist()}
 
 
+def engine_check() -> dict:
+  """The generation engine over both processes' 4 devices (4 batch shards of 2 slots), twice with the same
+  requests and seed: exchanging every row (the library's default) and keeping rows by process
+  (``local_rows``), then ``hold_finished`` (``processes.fill_rows`` to every process). Each run returns one
+  complete group and leaves finished samples unreturned. Returns, per sample of either kind: whether the
+  row of the local-rows engine equals the exchanging engine's (before and after ``hold_finished``),
+  whether it was blank before, its reader, and the oldest versions from both."""
+  from rl_fusion_jax import models
+  from rl_fusion_jax.config import MeshConfig
+  from rl_fusion_jax.orchestration import processes
+  from rl_fusion_jax.rollout.decode import GenerateSpec
+  from rl_fusion_jax.rollout.engine import Engine, EngineConfig, Request
+  from rl_fusion_jax.rollout.sampling import SamplingParams
+  from rl_fusion_jax.sharding.mesh import make_mesh
+  from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
+  cfg = tiny_model()
+  mesh = make_mesh(MeshConfig(data=-1))
+  psh = param_shardings(models.abstract_params(cfg), models.param_logical_axes(cfg), mesh, TRAIN_RULES)
+  params = jax.jit(lambda k: models.init_params(cfg, k, init_std=0.5), out_shardings=psh)(jax.random.key(0))
+  rng = np.random.default_rng(0)
+  forced = [2, 2, 2, 9, 2, 12, 4, 4, 11, 6]            # group 0 ends first; samples 2 and 4 with it
+  requests = [Request(i, i // 2, rng.integers(3, 60, size=3).astype(np.int32), forced[i]) for i in range(10)]
+  fields = ("tokens_st", "logp_st", "version_st")
+  out = {}
+  for local in (False, True):
+    engine = Engine(EngineConfig(GenerateSpec(cfg, SamplingParams(1.0), 4, 14, 1), num_slots=8, chunk_steps=2,
+                                 group_size=2), mesh, psh)
+    engine.local_rows = local
+    engine.add(requests)
+    result = engine.run(params, 0, target_groups=1)
+    unreturned = {int(f.row["sample_id_s"]): f for f in engine._finished}   # pylint: disable=protected-access
+    ro = result.rollout
+    rows = {int(s): {"tokens_st": ro.tokens_bt[b], "logp_st": ro.logp_bt[b], "version_st": ro.version_bt[b]}
+            for b, s in enumerate(ro.sample_id_b)}
+    rows |= {s: {k: np.array(f.row[k]) for k in fields} for s, f in unreturned.items()}
+    out[local] = {"rows": rows, "min_version": result.min_version_b.tolist(), "readers": dict(engine.readers),
+                  "unreturned": sorted(unreturned), "returned": ro.sample_id_b.tolist()}
+    if local:
+      share = processes.Share(jax.process_index(), jax.process_count(), readers=engine.readers)
+      everyone = lambda rollout: processes.fill_rows(share, rollout, np.ones((2, len(rollout.sample_id_b)), bool))[0]
+      out["filled"] = engine.hold_finished(everyone)
+      out["after"] = {int(f.row["sample_id_s"]): {k: np.array(f.row[k]) for k in fields} for f in engine._finished}   # pylint: disable=protected-access
+  same = lambda a, b: all(np.array_equal(a[k], b[k]) for k in fields)
+  full, local = out[False], out[True]
+  return {"returned": local["returned"], "unreturned": local["unreturned"],
+          "same_samples": full["returned"] == local["returned"] and full["unreturned"] == local["unreturned"],
+          "same": {s: same(local["rows"][s], full["rows"][s]) for s in local["rows"]},
+          "blank": {s: bool((local["rows"][s]["version_st"] == -1).all()) for s in local["rows"]},
+          "same_after": {s: same(row, full["rows"][s]) for s, row in out["after"].items()},
+          "readers": local["readers"], "full_readers": full["readers"], "filled": out["filled"],
+          "min_version": [local["min_version"], full["min_version"]]}
+
+
 def main(port: int, process_id: int) -> None:
   from rl_fusion_jax import gc_policy
   gc_policy.tune()
@@ -178,6 +231,7 @@ def main(port: int, process_id: int) -> None:
   from rl_fusion_jax.config import MeshConfig
   out = {name: run_mesh(MeshConfig(**sizes), update) for name, (sizes, update) in MESHES.items()}
   out["fill_rows"] = fill_rows_check()
+  out["engine"] = engine_check()
   out.update(process_index=jax.process_index(), devices=jax.device_count(),
              local_devices=sorted(d.id for d in jax.local_devices()))
   print(json.dumps(out), flush=True)
