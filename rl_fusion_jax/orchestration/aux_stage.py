@@ -37,9 +37,10 @@ it (``submit``), so where the two meshes split over the processes alike (``fusio
 scored on the process that holds its row. Where each process holds only the responses it generated
 (``Engine.local_rows``: ``share``), a call first fills in, from their holders, the tokens of the samples
 its process's aux devices score and it does not hold (``processes.fill_rows``, tokens only:
-``link_bytes/aux_rows_between_hosts_this_host``; none when the meshes align and the engine reported them). The stage blocks on its buffers every ``BLOCK_EVERY`` calls: XLA:CPU deadlocked with more than
-about 32 multi-device programs in flight (DESIGN.md), and each call dispatches up to about ten (a write
-per stream page, the rows, their layout, each model and its scatter).
+``link_bytes/aux_rows_between_hosts_this_host``; none when the meshes align and the engine reported them).
+The stage blocks on its buffers every ``BLOCK_EVERY`` calls: XLA:CPU deadlocked with more than about 32
+multi-device programs in flight (DESIGN.md), and each call dispatches up to about ten (a write per stream
+page, the rows, their layout, each model and its scatter).
 """
 from __future__ import annotations
 

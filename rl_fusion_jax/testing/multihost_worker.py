@@ -200,7 +200,8 @@ def engine_check() -> dict:
     engine.local_rows = local
     engine.add(requests)
     result = engine.run(params, 0, target_groups=1)
-    unreturned = {int(f.row["sample_id_s"]): f for f in engine._finished}   # pylint: disable=protected-access
+    finished = engine._finished   # pylint: disable=protected-access
+    unreturned = {int(f.row["sample_id_s"]): f for f in finished}
     ro = result.rollout
     rows = {int(s): {"tokens_st": ro.tokens_bt[b], "logp_st": ro.logp_bt[b], "version_st": ro.version_bt[b]}
             for b, s in enumerate(ro.sample_id_b)}
@@ -211,7 +212,7 @@ def engine_check() -> dict:
       share = processes.Share(jax.process_index(), jax.process_count(), readers=engine.readers)
       everyone = lambda rollout: processes.fill_rows(share, rollout, np.ones((2, len(rollout.sample_id_b)), bool))[0]
       out["filled"] = engine.hold_finished(everyone)
-      out["after"] = {int(f.row["sample_id_s"]): {k: np.array(f.row[k]) for k in fields} for f in engine._finished}   # pylint: disable=protected-access
+      out["after"] = {int(f.row["sample_id_s"]): {k: np.array(f.row[k]) for k in fields} for f in finished}
   same = lambda a, b: all(np.array_equal(a[k], b[k]) for k in fields)
   full, local = out[False], out[True]
   return {"returned": local["returned"], "unreturned": local["unreturned"],
