@@ -108,7 +108,8 @@ def test_two_processes_read_own_rows_and_match_one():
   assert [[len(r) for r in o["fsdp2_tp2"]["reads"]] for o in outs] == [[rows // 2]] * 2
   # processes.fill_rows: each process ends with every row its devices train on (rows 0-3 on process 0, 4-7
   # on 1) equal to the full batch's, and the other process's rows it does not need still blank. What
-  # crossed: the other process's payload, padded to a power of two of at least 256 bytes.
+  # crossed: the other process's payload (7 bytes a response token at this vocabulary and its lowest
+  # version, 4 bytes), padded to a power of two of at least 256 bytes.
   readers = np.asarray(multihost_worker.READERS)
   for p, o in enumerate(outs):
     f = o["fill_rows"]
@@ -117,7 +118,8 @@ def test_two_processes_read_own_rows_and_match_one():
     for b in range(8):
       assert f["same"][b] == (need[p, b] or readers[b] == p), (p, b)
       assert f["blank"][b] == (not need[p, b] and readers[b] != p), (p, b)
-    sent = [12 * sum(f["response_len"][b] for b in range(8) if readers[b] == q and need[1 - q, b]) for q in (0, 1)]
+    sent = [7 * sum(f["response_len"][b] for b in range(8) if readers[b] == q and need[1 - q, b]) + 4
+            for q in (0, 1)]
     assert f["crossed"] == max(256, 1 << (max(sent) - 1).bit_length()) and min(sent) > 0
   # The engine over both processes: rows by process (local_rows) against every row exchanged, the same
   # samples back. Each process holds exactly the rows of the samples it read (readers: the same on both,

@@ -252,7 +252,8 @@ class AuxStage:
       need = need[:, np.maximum(row_b, 0)] & (row_b >= 0)
       block = Rollout(tokens_bt=tokens_bt, prompt_len_b=prompt, response_len_b=lengths - prompt,
                       logp_bt=None, version_bt=None, finished_b=None, sample_id_b=pad(rollout.sample_id_b))
-      block, crossed = processes.fill_rows(self.share, block, need, fields=("tokens_bt",))
+      block, crossed = processes.fill_rows(self.share, block, need, fields=("tokens_bt",),
+                                           vocab_size=self.vocab_size)
       tokens_bt = block.tokens_bt
       self.link["aux_rows_between_hosts_this_host"] += crossed
     # The models read the tokens only: nothing else crosses (``tokens_only``).

@@ -334,7 +334,7 @@ def _place_packed(setup: Setup, programs: Programs, rollout: Rollout, ref_logp_b
     rows_p = global_batch.rows_by_process(mesh_lib.batch_sharding(programs.mesh, 1), layout.num_rows,
                                           distributed.process_count())
     need = rows_p[:, np.maximum(layout.row_b, 0)] & (layout.row_b >= 0)
-    rollout, crossed = processes.fill_rows(share, rollout, need)
+    rollout, crossed = processes.fill_rows(share, rollout, need, vocab_size=cfg.model.config.vocab_size)
     versions = processes.version_range(share, rollout)
     held_b = need[share.index] | share.owns(rollout.sample_id_b)
     between = {"queue/link_bytes/rows_between_hosts_this_host": float(crossed)}
@@ -506,7 +506,8 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
       if programs.engine.local_rows:   # the responses this process's devices train on, from their holders
         need = global_batch.rows_by_process(mesh_lib.batch_sharding(programs.mesh, 1), len(length_b),
                                             distributed.process_count())
-        rollout, crossed = processes.fill_rows(programs.verify.share, rollout, need)
+        rollout, crossed = processes.fill_rows(programs.verify.share, rollout, need,
+                                               vocab_size=cfg.model.config.vocab_size)
         metrics["queue/link_bytes/rows_between_hosts_this_host"] = float(crossed)
       device_rollout = jax.tree.map(lambda x: data.to_global(programs.mesh, x), rollout)
     device_rollout = cut_width(device_rollout, width)

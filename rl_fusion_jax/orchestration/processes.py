@@ -87,43 +87,84 @@ def gather_rows(name: str, share: Share, sample_ids, arrays, timeout_s: int = 60
   return out
 
 
-# The per-token fields of a host Rollout that ``fill_rows`` moves, 4 bytes a response token each: its id
-# (int32), log-prob (float32) and version (int32).
+# The per-token fields of a host Rollout that ``fill_rows`` moves: the token id (as many bytes as the
+# vocabulary needs, ``token_bytes``), the log-prob (its float32 bits) and the version (2 bytes above the
+# payload's lowest, which heads the payload as an int32).
 ROW_FIELDS = ("tokens_bt", "logp_bt", "version_bt")
-_WIRE = {"tokens_bt": "<i4", "logp_bt": "<f4", "version_bt": "<i4"}
 
 
-def fill_rows(share: Share, rollout, need, fields=ROW_FIELDS) -> tuple:
+def _field_bytes(field: str, token_bytes: int) -> int:
+  return {"tokens_bt": token_bytes, "logp_bt": 4, "version_bt": 2}[field]
+
+
+def _to_wire(values: np.ndarray, field: str, token_bytes: int, base: int) -> np.ndarray:
+  if field == "tokens_bt":
+    return np.ascontiguousarray(values.astype("<u4").view(np.uint8).reshape(-1, 4)[:, :token_bytes]).reshape(-1)
+  if field == "logp_bt":
+    return values.astype("<f4").view(np.uint8)
+  above = values.astype(np.int64) - base
+  if above.size and above.max() >= 1 << 16:
+    raise ValueError(f"fill_rows: versions span {int(above.max()) + 1} (> 65536) in one payload")
+  return above.astype("<u2").view(np.uint8)
+
+
+def _from_wire(data: np.ndarray, field: str, token_bytes: int, base: int) -> np.ndarray:
+  if field == "tokens_bt":
+    wide = np.zeros((data.size // token_bytes, 4), np.uint8)
+    wide[:, :token_bytes] = data.reshape(-1, token_bytes)
+    return wide.reshape(-1).view("<u4").astype(np.int32)
+  if field == "logp_bt":
+    return data.view("<f4")
+  return data.view("<u2").astype(np.int32) + base
+
+
+def fill_rows(share: Share, rollout, need, fields=ROW_FIELDS, vocab_size: int | None = None) -> tuple:
   """A host Rollout whose responses are held by their owners (``share.owner``; the other rows carry prompt
   and lengths only) -> (the same rollout with the responses of the rows ``need[share.index]`` marks filled
   in from their owners, the bytes that crossed to this process). ``need[p]``: bool [B], the rows process p
   needs; every process passes the same ``need``. Each owner sends each process exactly the rows it needs
   (``distributed.send_bytes``), so no process receives a row it does not need. ``fields``: which of
-  ``ROW_FIELDS`` move (e.g. ``("tokens_bt",)`` for a model that reads the tokens only)."""
+  ``ROW_FIELDS`` move (e.g. ``("tokens_bt",)`` for a model that reads the tokens only). A response token
+  crosses in ``value_bytes(vocab_size)`` bytes for its id (4 without ``vocab_size``), 4 for its log-prob
+  and 2 for its version (each payload headed by its lowest version): 7 bytes at a vocabulary of 256."""
   if share.count == 1:
     return rollout, 0
+  from rl_fusion_jax.train.packing import value_bytes  # pylint: disable=g-import-not-at-top
+  token_bytes = 4 if vocab_size is None else value_bytes(vocab_size)
   need = np.asarray(need, bool)
   owner = share.owner(rollout.sample_id_b)
   start_b = np.asarray(rollout.prompt_len_b, np.int64)
   len_b = np.asarray(rollout.response_len_b, np.int64)
-  per_token = 4 * len(fields)
-  rows = lambda p, q: np.flatnonzero((owner == p) & need[q]) if p != q else np.zeros((0,), np.int64)
-  sizes = np.asarray([[per_token * int(len_b[rows(p, q)].sum()) for q in range(share.count)]
-                      for p in range(share.count)], np.int64)
-  cut = lambda x, b: np.ascontiguousarray(x[b, start_b[b]:start_b[b] + len_b[b]])
-  payloads = [np.concatenate([np.concatenate([cut(getattr(rollout, f), b).astype(_WIRE[f]).view(np.uint8)
-                                              for f in fields])
-                              for b in rows(share.index, q)] or [np.zeros((0,), np.uint8)])
-              for q in range(share.count)]
-  received = send_bytes(payloads, sizes)
+  per_token = sum(_field_bytes(f, token_bytes) for f in fields)
+  header = 4 if "version_bt" in fields else 0
+  rows = lambda p, q: np.flatnonzero((owner == p) & need[q] & (len_b > 0)) if p != q else np.zeros((0,), np.int64)
+  size_of = lambda r: per_token * int(len_b[r].sum()) + header * bool(len(r))
+  sizes = np.asarray([[size_of(rows(p, q)) for q in range(share.count)] for p in range(share.count)], np.int64)
+  cut = lambda x, r: (np.concatenate([x[b, start_b[b]:start_b[b] + len_b[b]] for b in r]) if len(r)
+                      else np.zeros((0,), np.asarray(x).dtype))
+
+  def payload(r):
+    if not len(r):
+      return np.zeros((0,), np.uint8)
+    base = int(cut(rollout.version_bt, r).min()) if header else 0
+    parts = [np.asarray([base], "<i4").view(np.uint8)] if header else []
+    return np.concatenate(parts + [_to_wire(cut(getattr(rollout, f), r), f, token_bytes, base) for f in fields])
+
+  received = send_bytes([payload(rows(share.index, q)) for q in range(share.count)], sizes)
   out = {f: np.array(getattr(rollout, f)) for f in fields}
   for p, data in enumerate(received):
-    offset = 0
-    for b in rows(p, share.index):
-      n, s = int(len_b[b]), slice(int(start_b[b]), int(start_b[b] + len_b[b]))
-      for j, f in enumerate(fields):
-        out[f][b, s] = data[offset + 4 * n * j:offset + 4 * n * (j + 1)].view(_WIRE[f])
-      offset += per_token * n
+    r = rows(p, share.index)
+    if not len(r):
+      continue
+    base = int(data[:4].view("<i4")[0]) if header else 0
+    offset, total = header, int(len_b[r].sum())
+    for f in fields:
+      size = _field_bytes(f, token_bytes) * total
+      values, at = _from_wire(data[offset:offset + size], f, token_bytes, base), 0
+      for b in r:
+        out[f][b, start_b[b]:start_b[b] + len_b[b]] = values[at:at + len_b[b]]
+        at += int(len_b[b])
+      offset += size
   crossed = (share.count - 1) * padded_bytes(sizes.max()) if sizes.any() else 0
   return rollout.replace(**out), crossed
 

@@ -274,7 +274,8 @@ class StaleSync:
                                    for part in _runs(np.setdiff1d(order, fed), order) if len(part)]
     reads.sort(key=lambda b: int(b.indices[0]))
     need = rows_by_process(sharding, len(order), share.count)
-    host, crossed = processes.fill_rows(share, host_rollout(reads, width), need)
+    host, crossed = processes.fill_rows(share, host_rollout(reads, width), need,
+                                        vocab_size=self.setup.cfg.model.config.vocab_size)
     lengths = host.prompt_len_b + host.response_len_b
 
     def read(part):   # this group's rows, with the responses filled in
@@ -385,7 +386,7 @@ class StaleSync:
     queue = self.queue.state_dict()
     if engine.local_rows:
       everyone = lambda rollout: processes.fill_rows(share, rollout, np.ones((share.count, len(
-          rollout.sample_id_b)), bool))[0]
+          rollout.sample_id_b)), bool), vocab_size=self.setup.cfg.model.config.vocab_size)[0]
       engine.hold_finished(everyone)
       _fill_queue_state(queue, everyone, self.r.seq_len)
     queue["counters"] = processes.run_queue_counters(queue["counters"])

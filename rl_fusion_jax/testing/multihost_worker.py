@@ -135,6 +135,8 @@ def run_mesh(mesh_cfg, update: bool) -> dict:
   return out
 
 
+# The vocabulary ``fill_rows_check`` sends its tokens for (host_batch's ids are below it: 1 byte each).
+VOCAB = 64
 # Which process holds each of the 8 samples' responses in ``fill_rows_check`` (as ``Engine.local_rows``
 # leaves them), and which rows each process's devices train on comes from the dp2_fsdp2 mesh.
 READERS = (0, 1, 1, 0, 1, 0, 0, 1)
@@ -161,7 +163,7 @@ def fill_rows_check() -> dict:
                        version_bt=np.where(response, -1, full.version_bt))
   share = processes.Share(jax.process_index(), 2, readers=dict(zip(range(100, 108), READERS)))
   need = global_batch.rows_by_process(batch_sharding(make_mesh(MeshConfig(data=2, fsdp=2)), 1), 8, 2)
-  filled, crossed = processes.fill_rows(share, local, need)
+  filled, crossed = processes.fill_rows(share, local, need, vocab_size=VOCAB)
   same = [all(np.array_equal(getattr(filled, f)[b], getattr(full, f)[b])
               for f in ("tokens_bt", "logp_bt", "version_bt")) for b in range(8)]
   blank = [bool((filled.tokens_bt[b, prompt:] == 0).all() and (filled.version_bt[b, prompt:] == -1).all())
@@ -210,7 +212,8 @@ def engine_check() -> dict:
                   "unreturned": sorted(unreturned), "returned": ro.sample_id_b.tolist()}
     if local:
       share = processes.Share(jax.process_index(), jax.process_count(), readers=engine.readers)
-      everyone = lambda rollout: processes.fill_rows(share, rollout, np.ones((2, len(rollout.sample_id_b)), bool))[0]
+      everyone = lambda rollout: processes.fill_rows(share, rollout, np.ones((2, len(rollout.sample_id_b)), bool),
+                                                     vocab_size=cfg.vocab_size)[0]
       out["filled"] = engine.hold_finished(everyone)
       out["after"] = {int(f.row["sample_id_s"]): {k: np.array(f.row[k]) for k in fields} for f in finished}
   same = lambda a, b: all(np.array_equal(a[k], b[k]) for k in fields)
