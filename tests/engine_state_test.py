@@ -124,6 +124,8 @@ def test_rows_another_process_holds_are_filled_before_a_save():
     f.row["tokens_st"][p:p + n], f.row["logp_st"][p:p + n], f.row["version_st"][p:p + n] = 0, 0.0, -1
     f.held = False
     blanked.append(int(f.row["sample_id_s"]))
+  for f in done:        # read by process: what every process decides hold_finished on
+    f.by_process = True
   assert engine.group_min_versions() == versions
   with pytest.raises(RuntimeError, match="hold_finished"):
     engine.state_dict()
@@ -132,13 +134,21 @@ def test_rows_another_process_holds_are_filled_before_a_save():
     engine.hold_finished(newer)
   for f in done[::2]:
     f.held = False
+  for f in done:
+    f.by_process = True
   seen = []
   assert engine.hold_finished(lambda rollout: seen.append(rollout.sample_id_b.tolist()) or real) == len(blanked)
   assert seen == [[int(f.row["sample_id_s"]) for f in done]]
   filled = engine.state_dict()
   for key in state:
     np.testing.assert_array_equal(filled[key], state[key], err_msg=key)
-  assert engine.hold_finished(lambda rollout: pytest.fail("nothing is blank")) == 0
+  assert engine.hold_finished(lambda rollout: pytest.fail("every process holds every row")) == 0
+  # A process holding every row still takes part in the exchange while another may not (a collective):
+  # the decision follows what every process knows alike (rows read by process), not what it holds.
+  for f in done:
+    f.by_process = True
+  assert engine.hold_finished(lambda rollout: seen.append(rollout.sample_id_b.tolist()) or real) == 0
+  assert len(seen) == 2
 
   # The oldest version of each returned sample, as its row's versions say, also for samples carried over
   # a version change (tokens of versions 0 and 1).

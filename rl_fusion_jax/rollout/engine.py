@@ -169,6 +169,9 @@ class _Finished:
   # without the row, and checked against the row wherever this process reads it.
   min_version: int | None = None
   held: bool = True           # False: another process holds its response (``local_rows``); the row is blank
+  # Read under ``local_rows`` across processes, and not yet sent to every process (``hold_finished``): the
+  # same on every process, unlike ``held``.
+  by_process: bool = False
 
 
 class Engine:
@@ -340,14 +343,16 @@ class Engine:
     """``local_rows``: makes this process hold the responses of every finished sample not yet returned.
     ``fill``: a host Rollout of those samples (responses blank where another process holds them) -> the
     same with every response filled in (e.g. ``processes.fill_rows`` to every process; a collective, so
-    every process calls this at the same point). Returns how many rows were filled. What a checkpoint of
-    ``state_dict`` needs: every process then saves the same, complete rows."""
+    every process calls this at the same point, and calls ``fill`` or not alike). Returns how many rows
+    this process filled. What a checkpoint of ``state_dict`` needs: every process then saves the same,
+    complete rows."""
     done = sorted(self._finished, key=lambda f: f.order)
-    if not any(not f.held for f in done):
+    if not any(f.by_process for f in done):   # decided alike on every process (``held`` is not)
       return 0
     filled = fill(_stack([f.row for f in done], self.cfg.spec.seq_len))
     count = 0
     for b, f in enumerate(done):
+      f.by_process = False
       if not f.held:
         for name, x in (("tokens_st", filled.tokens_bt), ("logp_st", filled.logp_bt),
                         ("version_st", filled.version_bt)):
@@ -707,6 +712,7 @@ class Engine:
           unpacked = (meta,) + (None,) * 3
         for i, row in zip(at, _unpack_rows(*unpacked, [requests[i] for i in at], seq_len)):
           entries[i].row, entries[i].held = row, r in bytes_r
+          entries[i].by_process = self.local_rows and len(set(owner)) > 1
           if r in bytes_r and _min_version(row["version_st"], row["prompt_len_s"],
                                            row["response_len_s"]) != entries[i].min_version:
             raise AssertionError(f"engine: sample {int(requests[i].sample_id)}'s versions disagree with the "
