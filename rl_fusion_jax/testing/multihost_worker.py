@@ -176,7 +176,7 @@ def engine_check() -> dict:
   """The generation engine over both processes' 4 devices (4 batch shards of 2 slots), twice with the same
   requests and seed: exchanging every row (the library's default) and keeping rows by process
   (``local_rows``), then ``hold_finished`` (``processes.fill_rows`` to every process). Each run returns one
-  complete group and leaves finished samples unreturned. Returns, per sample of either kind: whether the
+  complete group and leaves a finished sample unreturned, whose row only one process lacks. Returns, per sample of either kind: whether the
   row of the local-rows engine equals the exchanging engine's (before and after ``hold_finished``),
   whether it was blank before, its reader, and the oldest versions from both."""
   from rl_fusion_jax import models
@@ -192,7 +192,9 @@ def engine_check() -> dict:
   psh = param_shardings(models.abstract_params(cfg), models.param_logical_axes(cfg), mesh, TRAIN_RULES)
   params = jax.jit(lambda k: models.init_params(cfg, k, init_std=0.5), out_shardings=psh)(jax.random.key(0))
   rng = np.random.default_rng(0)
-  forced = [2, 2, 2, 9, 2, 12, 4, 4, 11, 6]            # group 0 ends first; samples 2 and 4 with it
+  # Group 2 (samples 4, 5: process 1's slots) ends first, sample 0 (process 0's) with it: the one unreturned
+  # row is blank on process 1 only, and both processes must still take part in hold_finished's exchange.
+  forced = [2, 9, 9, 9, 2, 2, 12, 4, 11, 6]
   requests = [Request(i, i // 2, rng.integers(3, 60, size=3).astype(np.int32), forced[i]) for i in range(10)]
   fields = ("tokens_st", "logp_st", "version_st")
   out = {}
