@@ -15,7 +15,8 @@ the process whose devices train on it).
 Per RL step it reads from the run's metrics what one host moved (``*_this_host``: the busiest host's):
 the engine's blocks it read from its own devices (``engine_to_host``), the finished rows it received from
 the other hosts after each chunk (``engine_rows_between_hosts``), and the rows its devices train on that it
-received from their holders (``rows_between_hosts``), the tokens its aux devices score that it received
+received from their holders (``rows_between_hosts``; ``..._padded``: the same rows as int32 / float32 rows
+of the batch's width), the tokens its aux devices score that it received
 from their holders (``aux_rows_between_hosts``; hybrid), and the step's loss. Prints a table of the medians
 over the steps; ``--out`` writes every step's numbers as JSON. ``PYTHONPATH`` picks the tree that runs
 (``testing.launch`` starts that tree's binary), so one command measures two commits.
@@ -42,7 +43,8 @@ CONFIG = os.path.join(launch.ROOT, "experiments", "configs", "arithmetic.py")
 SETTINGS = ["--config.warmup.steps=8", "--config.warmup.checkpoint_every=0", "--config.task.eval_problems=16",
             "--config.task.eval_samples=0", "--config.run.eval_every=0", "--config.run.checkpoint_every=0",
             "--config.model.num_layers=1", "--config.model.scan_unroll=1"]
-LINKS = ("engine_to_host", "engine_rows_between_hosts", "rows_between_hosts", "aux_rows_between_hosts")
+LINKS = ("engine_to_host", "engine_rows_between_hosts", "rows_between_hosts", "rows_between_hosts_padded",
+         "aux_rows_between_hosts")
 
 
 def arm_args(arm: str) -> list[str]:

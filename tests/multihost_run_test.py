@@ -255,6 +255,10 @@ def _assert_rows_by_process(workdir: str):
   rows = [r for r in _metrics(workdir) if "loss" in r]
   assert all(r.get("queue/link_bytes/engine_rows_between_hosts_hosts_sum", 0) == 0 for r in rows)
   assert any(r["queue/link_bytes/rows_between_hosts_this_host"] > 0 for r in rows)
+  # Beside it, the same rows' padded equivalent (int32 / float32 rows of the batch's width): some when any
+  # crossed, none when none did.
+  between = "queue/link_bytes/rows_between_hosts"
+  assert all((r[f"{between}_this_host"] > 0) == (r[f"{between}_padded_this_host"] > 0) for r in rows)
 
 
 @pytest.mark.parametrize("mode", ["separated", "hybrid", "hybrid_stalesync", "colocated_packed", "full_dynamic",

@@ -256,6 +256,8 @@ class AuxStage:
                                            vocab_size=self.vocab_size)
       tokens_bt = block.tokens_bt
       self.link["aux_rows_between_hosts_this_host"] += crossed
+      self.link["aux_rows_between_hosts_padded_this_host"] += processes.fill_rows_padded(
+          self.share, block, need, fields=("tokens_bt",))
     # The models read the tokens only: nothing else crosses (``tokens_only``).
     placed, put = packed_step.place_rows(self.mesh, layout, tokens_bt=tokens_bt, behaviour_logp_bt=None,
                                          version_bt=None, prompt_len_b=prompt, vocab_size=self.vocab_size,

@@ -337,7 +337,9 @@ def _place_packed(setup: Setup, programs: Programs, rollout: Rollout, ref_logp_b
     rollout, crossed = processes.fill_rows(share, rollout, need, vocab_size=cfg.model.config.vocab_size)
     versions = processes.version_range(share, rollout)
     held_b = need[share.index] | share.owns(rollout.sample_id_b)
-    between = {"queue/link_bytes/rows_between_hosts_this_host": float(crossed)}
+    between = {"queue/link_bytes/rows_between_hosts_this_host": float(crossed),
+               "queue/link_bytes/rows_between_hosts_padded_this_host": float(
+                   processes.fill_rows_padded(share, rollout, need))}
   rows, link = packed_step.place_rows(programs.mesh, layout, tokens_bt=rollout.tokens_bt,
                                       behaviour_logp_bt=rollout.logp_bt, version_bt=rollout.version_bt,
                                       prompt_len_b=rollout.prompt_len_b, vocab_size=cfg.model.config.vocab_size,
@@ -509,6 +511,8 @@ def train_phase(setup: Setup, programs: Programs, state, ref_resting, step: int,
         rollout, crossed = processes.fill_rows(programs.verify.share, rollout, need,
                                                vocab_size=cfg.model.config.vocab_size)
         metrics["queue/link_bytes/rows_between_hosts_this_host"] = float(crossed)
+        metrics["queue/link_bytes/rows_between_hosts_padded_this_host"] = float(
+            processes.fill_rows_padded(programs.verify.share, rollout, need))
       device_rollout = jax.tree.map(lambda x: data.to_global(programs.mesh, x), rollout)
     device_rollout = cut_width(device_rollout, width)
     aux_tokens = functools.cache(lambda: _on_aux(programs, device_rollout.tokens_bt, rollout.tokens_bt))

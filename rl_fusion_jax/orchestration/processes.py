@@ -169,6 +169,16 @@ def fill_rows(share: Share, rollout, need, fields=ROW_FIELDS, vocab_size: int | 
   return rollout.replace(**out), crossed
 
 
+def fill_rows_padded(share: Share, rollout, need, fields=ROW_FIELDS) -> int:
+  """What the rows ``fill_rows(share, rollout, need, fields)`` brings this process would take padded: each
+  as one int32 / float32 row of the rollout's width per field (the link's padded equivalent)."""
+  if share.count == 1:
+    return 0
+  received = ((share.owner(rollout.sample_id_b) != share.index) & np.asarray(need, bool)[share.index]
+              & (np.asarray(rollout.response_len_b) > 0))
+  return 4 * len(fields) * int(np.shape(rollout.tokens_bt)[1]) * int(received.sum())
+
+
 def sum_over(name: str, numbers, share: Share) -> list[float]:
   """``numbers`` (a list of floats) summed element by element over the processes of ``share`` (the
   key-value store; every process calls it with the same ``name`` at the same point)."""

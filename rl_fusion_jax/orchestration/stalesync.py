@@ -291,7 +291,9 @@ class StaleSync:
                      version_bt=arrays["version"], finished_b=arrays["finished"],
                      sample_id_b=arrays["sample_id"])
     return host, device, reads, arrays.get("ref_logp"), {
-        "queue/link_bytes/rows_between_hosts_this_host": float(crossed)}
+        "queue/link_bytes/rows_between_hosts_this_host": float(crossed),
+        "queue/link_bytes/rows_between_hosts_padded_this_host": float(processes.fill_rows_padded(share, host,
+                                                                                                need))}
 
   # -- one step ----------------------------------------------------------------------------------------
 
