@@ -212,14 +212,16 @@ class AuxStage:
         row_k[mine], start_k[mine], n = packing.first_fit_decreasing(lengths[mine], self.seq_len)
         used = max(used, n)
     # Calls over the groups' rows in step: up to per_group rows of each group, block_samples samples in all.
+    per_row = np.zeros((self.shards, used), np.int64)        # samples in each group's rows
+    np.add.at(per_row, (group_k, row_k), 1)
     first = np.zeros(self.shards, np.int64)
     while (first < used).any():
       last = first.copy()
       count = 0
       for g in range(self.shards):
         while (last[g] < used and last[g] - first[g] < per_group
-               and count + np.sum((group_k == g) & (row_k == last[g])) <= self.block_samples):
-          count += np.sum((group_k == g) & (row_k == last[g]))
+               and count + per_row[g, last[g]] <= self.block_samples):
+          count += per_row[g, last[g]]
           last[g] += 1
       if (last == first).all():   # one row alone holds more samples than a call takes: cannot happen
         raise AssertionError("aux stage: a packed row holds more samples than one call takes")
