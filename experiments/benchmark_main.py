@@ -217,7 +217,8 @@ def main(argv):
     per_step = [c / w for (n, k), (c, w) in timeline.cpu.items() if n == name and k in measured and w > 0]
     return round(statistics.median(per_step), 2) if per_step else None
   out = {
-      "config": cfg.model.config.model_type, "devices": jax.device_count(), "processes": jax.process_count(),
+      "config": cfg.model.config.model_type, "precision": cfg.model.config.precision,
+      "devices": jax.device_count(), "processes": jax.process_count(),
       "platform": jax.devices()[0].platform, "mesh": dict(mesh.shape), "steps": len(rows),
       "median_step_s": round(step_s, 4), "first_step_s": round(first_s, 3), "run_steps_s": round(run_s, 3),
       "compiles_after_first_step": len(compiles), "compile_s_after_first_step": round(sum(compiles), 3),

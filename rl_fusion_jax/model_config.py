@@ -14,6 +14,7 @@ properties are numpy dtypes, equal to the JAX dtypes of the same name) and the l
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +30,13 @@ DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat
 # accumulate in float32 when their inputs are bfloat16 under 'bf16_matmul'; see layers.Projection.
 PRECISIONS = {"float32": ("float32", "float32"), "bf16_matmul": ("float32", "bfloat16"),
               "bfloat16": ("bfloat16", "bfloat16")}
+# `ModelConfig.dtype='auto'`: the policy `default_precision` picks for the backend the program runs on.
+AUTO = "auto"
+# x86 CPU flags (Linux /proc/cpuinfo) of instructions that compute bfloat16 dot products natively. Without
+# them XLA:CPU converts bfloat16 operands to float32 around every dot, so 'bf16_matmul' only adds work:
+# tiny-grpo's step took 1.39x float32's and the main job's 1.07x on a 2-core AMD EPYC without them, where
+# with AVX512-BF16 'bf16_matmul' was the faster policy (BENCHMARKS.md, "Precision policy by CPU").
+NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 ROPE_TYPES = ("default", "llama3")
 # `ModelConfig.remat`: what the backward pass keeps of each scanned layer's forward. 'none' keeps every
 # activation the backward needs; 'full' keeps only each layer's input and recomputes the rest; 'matmuls'
@@ -71,6 +79,29 @@ def _check_positive_int(field: str, value: Any) -> None:
 def _check_optional_token(field: str, value: Any) -> None:
   if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
     raise _fail(field, "must be None or a non-negative int", value)
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
+  """The host CPU's feature flags (the first processor's ``flags`` line of ``path``); empty where the file
+  is missing or has none (not Linux, not x86)."""
+  try:
+    with open(path) as f:
+      for line in f:
+        if line.startswith("flags"):
+          return frozenset(line.partition(":")[2].split())
+  except OSError:
+    pass
+  return frozenset()
+
+
+@functools.cache
+def default_precision() -> str:
+  """The policy ``dtype='auto'`` computes in: 'bf16_matmul' on an accelerator, and on the CPU backend where
+  the CPU computes bfloat16 dot products natively (`NATIVE_BF16_CPU_FLAGS`); 'float32' on other CPUs."""
+  import jax  # pylint: disable=import-outside-toplevel  (the config layer imports no JAX otherwise)
+  if jax.default_backend() != "cpu":
+    return "bf16_matmul"
+  return "bf16_matmul" if cpu_flags() & set(NATIVE_BF16_CPU_FLAGS) else "float32"
 
 
 def normalize_rope_scaling(value: Any) -> tuple | None:
@@ -128,8 +159,10 @@ class ModelConfig:
   `dtype` is the precision policy of the computation (`PRECISIONS`): 'float32' (everything float32),
   'bf16_matmul' (projection and lm-head matmuls take bfloat16 inputs and accumulate in float32, forward
   and backward; activations, residual stream and everything else stay float32) or 'bfloat16' (activations
-  and matmuls in bfloat16). `param_dtype` is the storage dtype of parameters. Attention softmax, RMSNorm
-  statistics and logits are always float32.
+  and matmuls in bfloat16); 'auto' computes in the policy `default_precision` picks where the program
+  runs ('bf16_matmul' on an accelerator or a CPU with native bfloat16 dot products, else 'float32';
+  `precision` is the resolved name). `param_dtype` is the storage dtype of parameters. Attention softmax,
+  RMSNorm statistics and logits are always float32.
 
   The `num_layers` blocks are one stacked parameter tree (`params['layers']`, leading axis 'layers') run
   by `lax.scan`; `remat` (`REMAT_POLICIES`) says what the backward pass keeps of each layer, and
@@ -196,7 +229,7 @@ class ModelConfig:
     for name in ("qkv_bias", "tie_word_embeddings", "qk_norm", "norm_topk_prob"):
       if not isinstance(getattr(self, name), bool):
         raise _fail(name, "must be a bool", getattr(self, name))
-    for name, choices in (("model_type", MODEL_TYPES), ("dtype", tuple(PRECISIONS)),
+    for name, choices in (("model_type", MODEL_TYPES), ("dtype", (*PRECISIONS, AUTO)),
                           ("remat", REMAT_POLICIES), ("param_dtype", tuple(DTYPES)), ("moe_impl", MOE_IMPLS)):
       if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:
         raise _fail(name, f"must be one of {choices}", getattr(self, name))
@@ -283,14 +316,20 @@ class ModelConfig:
     return self.head_dim
 
   @property
+  def precision(self) -> str:
+    """The precision policy the model computes in: `dtype`, or for 'auto' the one `default_precision`
+    picks for the backend JAX runs on."""
+    return default_precision() if self.dtype == AUTO else self.dtype
+
+  @property
   def compute_dtype(self) -> np.dtype:
     """The activations' dtype (residual stream, attention, KV cache) under the precision policy."""
-    return DTYPES[PRECISIONS[self.dtype][0]]
+    return DTYPES[PRECISIONS[self.precision][0]]
 
   @property
   def matmul_dtype(self) -> np.dtype:
     """The input dtype of projection and lm-head matmuls under the precision policy."""
-    return DTYPES[PRECISIONS[self.dtype][1]]
+    return DTYPES[PRECISIONS[self.precision][1]]
 
   @property
   def weight_dtype(self) -> np.dtype:

@@ -141,3 +141,10 @@ def test_two_processes_read_own_rows_and_match_one():
     assert e["min_version"][0] == e["min_version"][1]
     filled.append(e["filled"])
   assert sorted(filled) == [0, 1]   # one process lacked the unreturned row; both joined the exchange
+  # model.dtype='auto' resolved differently on the processes (their CPUs): refused on both, naming the field.
+  own = outs[0]["precision"]["own"]
+  other = {"float32": "bf16_matmul", "bf16_matmul": "float32"}[own]
+  for o in outs:
+    assert o["precision"]["own"] == own
+    assert o["precision"]["error"].startswith("config.model.dtype: 'auto' resolved differently on the processes "
+                                              f"(process 0: {own}, process 1: {other};"), o["precision"]

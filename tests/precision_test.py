@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl_fusion_jax import models
+from rl_fusion_jax import model_config, models
 from rl_fusion_jax.config import MeshConfig
 from rl_fusion_jax.models import layers
 from rl_fusion_jax.rollout.decode import GenerateSpec
@@ -94,6 +94,48 @@ def test_policy_logprobs_within_stated_tolerance_of_float32(policy, tolerance):
   got = token_logprobs(dataclasses.replace(CFG, dtype=policy), params, tokens)
   diff = float(jnp.max(jnp.abs(got - ref)))
   assert 0 < diff < tolerance, diff
+
+
+def test_cpu_flags_read_the_first_processors_flags_line(tmp_path):
+  info = tmp_path / "cpuinfo"
+  info.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512_bf16\n\n"
+                  "processor\t: 1\nflags\t\t: fpu\n")
+  assert model_config.cpu_flags(str(info)) == {"fpu", "avx2", "avx512f", "avx512_bf16"}
+  assert model_config.cpu_flags(str(tmp_path / "missing")) == frozenset()
+  (tmp_path / "arm").write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
+  assert model_config.cpu_flags(str(tmp_path / "arm")) == frozenset()
+
+
+@pytest.mark.parametrize("backend,flags,expected", [
+    ("cpu", {"avx2", "avx512f"}, "float32"),            # AVX-512 without its bfloat16 dot instructions
+    ("cpu", {"avx2", "avx512f", "avx512_bf16"}, "bf16_matmul"),
+    ("cpu", {"avx2", "amx_bf16", "amx_tile"}, "bf16_matmul"),
+    ("cpu", set(), "float32"),                          # nothing known (not Linux, not x86)
+    ("gpu", set(), "bf16_matmul")])
+def test_auto_precision_follows_the_backend_and_the_cpus_bfloat16_instructions(monkeypatch, backend, flags,
+                                                                              expected):
+  monkeypatch.setattr(model_config, "cpu_flags", lambda: frozenset(flags))
+  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  model_config.default_precision.cache_clear()
+  try:
+    cfg = dataclasses.replace(CFG, dtype="auto")
+    assert cfg.dtype == "auto" and cfg.precision == expected
+    resolved = dataclasses.replace(CFG, dtype=expected)
+    assert (cfg.compute_dtype, cfg.matmul_dtype) == (resolved.compute_dtype, resolved.matmul_dtype)
+  finally:
+    model_config.default_precision.cache_clear()
+
+
+def test_auto_computes_exactly_what_its_resolved_policy_does():
+  cfg = dataclasses.replace(CFG, dtype="auto")
+  params = models.init_params(CFG, jax.random.key(0), init_std=0.02)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 12)), jnp.int32)
+  got = token_logprobs(cfg, params, tokens)
+  want = token_logprobs(dataclasses.replace(CFG, dtype=cfg.precision), params, tokens)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  other = "float32" if cfg.precision == "bf16_matmul" else "bf16_matmul"
+  assert not np.array_equal(np.asarray(got), np.asarray(token_logprobs(dataclasses.replace(CFG, dtype=other),
+                                                                        params, tokens)))
 
 
 def test_unknown_policy_is_rejected_naming_the_field():

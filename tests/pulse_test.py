@@ -71,8 +71,8 @@ def test_grpo_main_rejects_config_typo(tmp_path):
 @pytest.mark.parametrize("override,error", [
     ("task.eval_problems=0", "config.task.eval_problems: must be >= 1, got 0"),
     # ModelConfig's own checks (tests/config_test.py tries every model field in-process).
-    ("model.dtype=float16", "config.model.dtype: must be one of ('float32', 'bf16_matmul', 'bfloat16'), "
-                            "got 'float16'"),
+    ("model.dtype=float16", "config.model.dtype: must be one of ('float32', 'bf16_matmul', 'bfloat16', "
+                            "'auto'), got 'float16'"),
 ])
 def test_grpo_main_reports_bad_values_in_one_line(tmp_path, override, error):
   cmd = [sys.executable, os.path.join(ROOT, "experiments", "grpo_main.py"),

@@ -4,7 +4,7 @@ Command (CPU, 2 cores; one virtual device per core):
 
   python experiments/grpo_main.py --config=experiments/configs/arithmetic.py --workdir=/tmp/rlfj_arithmetic
 
-Recipe: a 4-layer model (hidden 128, char tokenizer, bf16_matmul) warmed up with 2,500 supervised steps
+Recipe: a 4-layer model (hidden 128, char tokenizer, `model.dtype=auto`) warmed up with 2,500 supervised steps
 (batch 64, lr 2e-3) on "a+b=" / "a-b=" with 1-2 digit operands, then 300 GRPO steps (16 prompts x 8
 samples at temperature 1, lr 1e-4). Evaluated on 512 held-out problems before RL, every 100 steps and at
 the end: greedy accuracy, and pass@1 / pass@8 over 8 samples per problem at temperature 1.
@@ -39,7 +39,10 @@ def model(vocab_size=128, hidden=128, layers=4, heads=4, kv_heads=2, mlp=384):
   m = config_lib.default_config_dict().model
   m.update(vocab_size=vocab_size, hidden_size=hidden, num_layers=layers, num_heads=heads,
            num_kv_heads=kv_heads, intermediate_size=mlp, qkv_bias=True, tie_word_embeddings=True,
-           max_position_embeddings=64, dtype="bf16_matmul",
+           max_position_embeddings=64,
+           # bf16_matmul where bfloat16 dots are native (accelerators, CPUs with AVX512-BF16 / AMX),
+           # float32 on other CPUs, where bf16_matmul is the slower policy (BENCHMARKS.md).
+           dtype="auto",
            # A tiny model on CPU: layers fully unrolled (faster than a rolled scan here, and compile time
            # is small at 4 layers), no remat (the default), one lm-head chunk per micro-batch.
            scan_unroll=layers, logits_chunk=8192)

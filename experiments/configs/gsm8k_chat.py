@@ -21,7 +21,7 @@ without a chat template all fail before anything compiles, naming the file or fi
 
 Hardware and runtime: meant for one GPU (or more: raise ``mesh.data`` / ``mesh.fsdp``); not yet measured
 on one, so no expected result is given here. ``:cpu`` picks the settings that are fast on a CPU backend
-(float32, no remat, the layers unrolled, one device: see the variant's comment); no RL run of it has been
+(`model.dtype=auto`, no remat, the layers unrolled, one device: see the variant's comment); no RL run of it has been
 measured yet. tests/chat_test.py runs this config end to end for 2 steps on
 a tiny random checkpoint (rl_fusion_jax/testing/chat_fixture.py) on CPU.
 """
@@ -55,14 +55,15 @@ def get_config(arg: str = ""):
   c.run.update(steps=200, checkpoint_every=50, progress_every_s=30.0, eval_every=50)
   if arg == "cpu":
     # The settings that are fast on a CPU (BENCHMARKS.md, "GRPO against TRL on SmolLM2-135M-Instruct" and
-    # "Real-model decode on CPU and the stacked layer tree"): float32 compute (bfloat16 decoded 3.2x slower
-    # than float32 on a 2-core AMD EPYC without native bfloat16), no remat, the layers unrolled (the CPU
+    # "Real-model decode on CPU and the stacked layer tree"): model.dtype=auto, so bf16_matmul where the CPU
+    # has native bfloat16 dots (a SmolLM2-135M step 1.6x faster than float32 with AVX512-BF16) and float32
+    # elsewhere (bfloat16 decoded 3.2x slower than float32 on a 2-core AMD EPYC without them), no remat, the layers unrolled (the CPU
     # default, scan_unroll=0: a SmolLM2-135M GRPO step's update took 22.2 s unrolled against 25.1 s rolled,
     # its generation 10.7 against 9.8 s, and since float32 decode chunks take each layer's kernels sliced once
     # a decode step at batch 32 144 against 156 ms; under bf16_matmul 13.8 against 15.6 and 6.3 against 6.7), and one
     # device (two would each read every weight for half the rows). Unrolled, the first step compiles longer
     # (65 against 48 s in float32, its programs not yet in the compilation cache).
-    c.model.update(dtype="float32", remat="none", scan_unroll=0)
+    c.model.update(dtype="auto", remat="none", scan_unroll=0)
     c.mesh.cpu_devices = 1
     # The optimizer state stays put while generating: on a CPU "host memory" is the same RAM, so moving it
     # there and back only copies it (1.08 GB of AdamW state for SmolLM2-135M, twice a step; BENCHMARKS.md,

@@ -15,13 +15,14 @@ message included). Reward 0.1 for a ``#### <number>`` answer, +1 when the number
 accuracy is greedy, on problems of another seed.
 
 Settings: the CPU ones of gsm8k_chat.py's cpu variant (BENCHMARKS.md, "GRPO against TRL on
-SmolLM2-135M-Instruct"): float32 compute, no remat, the layers unrolled (the CPU default), one device, the
-optimizer state left in place while generating (on a CPU, host memory is the same RAM). On a CPU with
-AVX512-BF16, ``--config.model.dtype=bf16_matmul`` trains and generates about 1.6x faster (a step 20.1
-against 33.1 s on a 2-core AMD EPYC, layers unrolled); on one without
-native bfloat16 it decoded at float32's speed and all-bfloat16 3.2x slower (BENCHMARKS.md,
-"SmolLM2-135M-Instruct learns word problems"), so float32 is the default. On a GPU, ``:gpu`` picks bfloat16 compute
-over float32 master weights with each layer rematerialized (not measured here).
+SmolLM2-135M-Instruct"): ``model.dtype=auto``, no remat, the layers unrolled (the CPU default), one device,
+the optimizer state left in place while generating (on a CPU, host memory is the same RAM). ``auto`` computes
+in bf16_matmul on a CPU with native bfloat16 dots (AVX512-BF16 or AMX), where it trains and generates about
+1.6x faster than float32 (a step 20.1 against 33.1 s on a 2-core AMD EPYC, layers unrolled), and in float32
+on other CPUs, where bf16_matmul decoded at float32's speed and all-bfloat16 3.2x slower (BENCHMARKS.md,
+"SmolLM2-135M-Instruct learns word problems"). The learning result there ran in float32
+(``--config.model.dtype=float32`` fixes it). On a GPU, ``:gpu`` picks bfloat16 compute over float32 master
+weights with each layer rematerialized (not measured here).
 
 The weights are the GGUF's 4-bit Q4_1 values dequantized: a trained model, not its float original.
 Measured result: BENCHMARKS.md, "SmolLM2-135M-Instruct learns word problems".

@@ -1,9 +1,9 @@
 r"""tiny-grpo: the benchmark configuration (a random-init Qwen2-style model; speed, not learning).
 
-Qwen2-style: vocab 512, hidden 256, 4 layers, 4 heads, 2 KV heads, MLP 688, float32 weights, the
-bf16_matmul precision policy (docs/models.md, "Precision policy"; `--config.model.dtype=float32` for the exact
-path); 16 prompts x 8 samples, prompts padded to 16 tokens, 32 new tokens, temperature 1, one Adam update
-per batch.
+Qwen2-style: vocab 512, hidden 256, 4 layers, 4 heads, 2 KV heads, MLP 688, float32 weights, the main
+job's `model.dtype=auto` (bf16_matmul where bfloat16 dots are native, float32 on other CPUs:
+docs/models.md, "Precision policy"; `--config.model.dtype=float32` or `=bf16_matmul` to fix it); 16 prompts x 8
+samples, prompts padded to 16 tokens, 32 new tokens, temperature 1, one Adam update per batch.
 
   python experiments/benchmark_main.py --config=experiments/configs/tiny_grpo.py
   python experiments/benchmark_main.py --config=experiments/configs/tiny_grpo.py --config.mesh.cpu_devices=1

@@ -130,7 +130,21 @@ def _validate(cfg: ExperimentConfig, workdir: str, tensorboard: bool) -> Setup:
     raise ConfigError("--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'")
   resume.check_workdir(workdir)
   distributed.check_same_config(resume.plain_config(cfg))
+  check_same_precision(cfg.model.config.dtype, cfg.model.config.precision)
   return setup
+
+
+def check_same_precision(dtype: str, precision: str) -> None:
+  """``model.dtype='auto'`` resolves on each process from its own CPU (`model_config.default_precision`):
+  processes whose CPUs differ in bfloat16 instructions would compile different programs for one SPMD
+  run. Refused at start on every process, naming the field."""
+  if dtype != "auto" or distributed.process_count() == 1:
+    return
+  resolved = distributed.exchange("precision", precision)
+  if len(set(resolved)) > 1:
+    listing = ", ".join(f"process {p}: {r}" for p, r in enumerate(resolved))
+    raise ConfigError(f"config.model.dtype: 'auto' resolved differently on the processes ({listing}; their "
+                      "CPUs differ in bfloat16 instructions); set config.model.dtype to one policy")
 
 
 def local_rows() -> bool:
@@ -177,8 +191,9 @@ def run(cfg: ExperimentConfig, workdir: str, *, tensorboard: bool = False,
       if programs.aux_stage is not None:   # it fills in the tokens its process's aux devices score
         programs.aux_stage.share = share
     programs.verify.share = share
-    logging.info("mode %s: rollout mesh %s, training mesh %s (%s)", d.mode, dict(d.rollout_mesh.shape),
-                 dict(d.train_mesh.shape), jax.devices()[0].platform)
+    logging.info("mode %s: rollout mesh %s, training mesh %s (%s), model.dtype %s%s", d.mode,
+                 dict(d.rollout_mesh.shape), dict(d.train_mesh.shape), jax.devices()[0].platform,
+                 cfg.model.config.precision, " (auto)" if cfg.model.config.dtype == "auto" else "")
     timeline = processes.ProcessTimeline(timeline_path(workdir), d.groups)
     writer = stack.enter_context(contextlib.closing(
         metrics_lib.make_writer(workdir, tensorboard) if distributed.is_writer() else metrics_lib.MultiWriter([])))

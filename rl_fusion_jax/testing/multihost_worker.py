@@ -229,6 +229,23 @@ def engine_check() -> dict:
           "min_version": [local["min_version"], full["min_version"]]}
 
 
+def precision_check() -> dict:
+  """`loop.check_same_precision`: the processes' own resolutions of ``model.dtype='auto'`` agree (no error),
+  then process 1 resolves to another policy, as on a CPU of another kind: both refuse the run."""
+  from rl_fusion_jax import model_config  # pylint: disable=g-import-not-at-top
+  from rl_fusion_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from rl_fusion_jax.orchestration import loop  # pylint: disable=g-import-not-at-top
+  own = model_config.default_precision()
+  loop.check_same_precision("auto", own)
+  loop.check_same_precision("float32", "float32" if jax.process_index() == 0 else "bf16_matmul")  # not auto
+  other = {"float32": "bf16_matmul", "bf16_matmul": "float32"}[own]
+  try:
+    loop.check_same_precision("auto", own if jax.process_index() == 0 else other)
+    return {"own": own, "error": ""}
+  except ConfigError as e:
+    return {"own": own, "error": str(e)}
+
+
 def main(port: int, process_id: int) -> None:
   from rl_fusion_jax import gc_policy
   gc_policy.tune()
@@ -238,6 +255,7 @@ def main(port: int, process_id: int) -> None:
   out = {name: run_mesh(MeshConfig(**sizes), update) for name, (sizes, update) in MESHES.items()}
   out["fill_rows"] = fill_rows_check()
   out["engine"] = engine_check()
+  out["precision"] = precision_check()
   out.update(process_index=jax.process_index(), devices=jax.device_count(),
              local_devices=sorted(d.id for d in jax.local_devices()))
   print(json.dumps(out), flush=True)
