@@ -97,7 +97,9 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
 @functools.cache
 def default_precision() -> str:
   """The policy ``dtype='auto'`` computes in: 'bf16_matmul' on an accelerator, and on the CPU backend where
-  the CPU computes bfloat16 dot products natively (`NATIVE_BF16_CPU_FLAGS`); 'float32' on other CPUs."""
+  the CPU computes bfloat16 dot products natively (`NATIVE_BF16_CPU_FLAGS`); 'float32' on other CPUs.
+  It asks JAX for its backend, which starts the backend: resolve after `jax.distributed.initialize` and
+  the XLA flags (the binaries resolve in `loop.run`; validating a config does not resolve)."""
   import jax  # pylint: disable=import-outside-toplevel  (the config layer imports no JAX otherwise)
   if jax.default_backend() != "cpu":
     return "bf16_matmul"
