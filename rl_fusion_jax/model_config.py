@@ -33,7 +33,7 @@ PRECISIONS = {"float32": ("float32", "float32"), "bf16_matmul": ("float32", "bfl
 # `ModelConfig.dtype='auto'`: the policy `default_precision` picks for the backend the program runs on.
 AUTO = "auto"
 # x86 CPU flags (Linux /proc/cpuinfo) of instructions that compute bfloat16 dot products natively. Without
-# them XLA:CPU converts bfloat16 operands to float32 around every dot, so 'bf16_matmul' only adds work:
+# them XLA:CPU's bfloat16 dots ran at about half float32's rate at tiny-grpo's shapes, so 'bf16_matmul' is slower:
 # tiny-grpo's step took 1.39-1.52x float32's and the main job's 1.07-1.18x on a 2-core AMD EPYC without them, where
 # with AVX512-BF16 'bf16_matmul' was the faster policy (BENCHMARKS.md, "Precision policy by CPU").
 NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
