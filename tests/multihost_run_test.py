@@ -84,13 +84,15 @@ def _assert_same_metrics(a: str, b: str, run_ends=(), only_in_a=(), a_up_to=None
 
 def test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics(tmp_path):
   """fusion.mode=full with the KL reference (the policy's and the reference's params rest in host memory
-  while generating; the reference is checkpointed and restored): 2 processes equal 1, also after process 1
-  is killed and the same two commands resume. (Synchronous colocated runs across processes: the StaleSync
-  tests below run colocated; the other modes: test_deployment_modes_across_processes_equal_one_process.)"""
+  while generating; the reference is checkpointed and restored) and DAPO's dynamic sampling (its rounds'
+  rows kept by process): 2 processes equal 1, also after process 1 is killed and the same two commands
+  resume. (Synchronous colocated runs across processes: the StaleSync tests below run colocated; the other
+  modes: test_deployment_modes_across_processes_equal_one_process.)"""
   # A 4 s heartbeat timeout (the binaries' default is 10 s): the survivor notices the kill sooner. 32 slots
   # for 128 samples: the engine refills them as samples finish, so a sample's slot (and process) is not
   # the process whose devices train on it, and some rows move between the processes.
-  steps, extra = 6, ["--config.fusion.mode=full", "--heartbeat_timeout_s=4", "--config.rollout.num_slots=32"]
+  steps, extra = 6, ["--config.fusion.mode=full", "--heartbeat_timeout_s=4", "--config.rollout.num_slots=32",
+                     "--config.algo.dynamic_sampling=True"]
   reference = _run(tmp_path, "one", 1, 4, variant=":kl", steps=steps, extra=extra)
 
   # Two processes; process 1 is killed once step 3 is recorded (after the checkpoint of step 2).
@@ -119,6 +121,8 @@ def test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics(tm
   assert codes == [0, 0], "\n".join(run.log(i)[-3000:] for i in range(2))
   assert "resumed from rl checkpoint" in run.log(0)
   _assert_same_metrics(reference, workdir)
+  # Dynamic sampling drew more than one round on some step (the rounds' rows also kept by process).
+  assert max(r["dynamic_sampling/rounds"] for r in _metrics(workdir) if "loss" in r) > 1
   # Rows by process (Engine.local_rows): each process read its own engine shards' rows only (half the
   # blocks), no row was exchanged wholesale, and what crossed between the hosts were the rows a process's
   # devices train on that the other process had generated: some, on some step.
@@ -266,29 +270,27 @@ def _assert_rows_by_process(workdir: str):
   assert all((r[f"{between}_this_host"] > 0) == (r[f"{between}_padded_this_host"] > 0) for r in rows)
 
 
-@pytest.mark.parametrize("mode", ["separated", "hybrid", "hybrid_stalesync", "colocated_packed", "full_dynamic",
+@pytest.mark.parametrize("mode", ["separated", "hybrid", "hybrid_stalesync", "colocated_packed",
                                   "colocated_packed_stalesync"])
 def test_deployment_modes_across_processes_equal_one_process(tmp_path, mode):
   """Every sub-mesh takes the same share of each process's devices (hybrid: one aux device each; its update
   on packed rows, a learned reward model beside the reference on the aux devices; hybrid_stalesync: the
   same under StaleSync, where the aux stage's results and the advantages reach the update through the
   queue's fields; colocated_packed: the packed update from rows kept by process, 32 slots for 128 samples;
-  full_dynamic: DAPO's dynamic sampling, its rounds' rows kept by process; colocated_packed_stalesync: the
-  packed update under StaleSync, the queue's rows kept by process). (fusion.mode=full, padded:
+  colocated_packed_stalesync: the packed update under StaleSync, the queue's rows kept by process).
+  (fusion.mode=full, padded, with dynamic sampling:
   test_two_processes_equal_one_and_a_killed_run_resumes_to_the_same_metrics; StaleSync colocated, padded:
   the StaleSync tests above.)"""
   mode, *parts = mode.split("_")
-  stalesync, packed, dynamic = "stalesync" in parts, "packed" in parts, "dynamic" in parts
+  stalesync, packed = "stalesync" in parts, "packed" in parts
   extra = [f"--config.fusion.mode={mode}"]
   if stalesync:
     extra += ["--config.stalesync.enabled=True", "--config.stalesync.max_staleness=1",
               "--config.stalesync.train_fraction=0.5", "--config.rollout.num_slots=256"]
-  if packed or dynamic or mode == "separated":
+  if packed or mode == "separated":
     extra += ["--config.rollout.num_slots=32"]
   if packed:
     extra += ["--config.optim.pack_rows=True"]
-  if dynamic:
-    extra += ["--config.algo.dynamic_sampling=True"]
   if mode == "hybrid":
     import jax  # pylint: disable=g-import-not-at-top
     from rl_fusion_jax.models import ModelConfig, reward_model  # pylint: disable=g-import-not-at-top
@@ -303,7 +305,6 @@ def test_deployment_modes_across_processes_equal_one_process(tmp_path, mode):
   # Hybrid's reference scores samples as they finish (aux_stage/*), in one process and across two alike.
   _assert_same_metrics(one, two, only_in_a=())
   # Rows by process (Engine.local_rows), in every mode.
-  assert not dynamic or max(r["dynamic_sampling/rounds"] for r in _metrics(two) if "loss" in r) > 1
   _assert_rows_by_process(two)
   if stalesync and packed:   # 32 slots: samples finished and not yet returned wait in the engine at a save
     assert _saved_rows(two)["engine"] > 0
