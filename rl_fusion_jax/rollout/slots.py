@@ -53,6 +53,21 @@ def _admit(state: SlotState, dest_r, prompt_rp, prompt_len_r, sample_id_r, force
   return jax.tree.map(lambda buf, new: buf.at[dest_r].set(new, mode="drop"), state, rows)
 
 
+def _admit_by_slot(state: SlotState, src_s, prompt_rp, prompt_len_r, sample_id_r, forced_len_r) -> SlotState:
+  """``_admit`` seen from the slots: slot s takes row ``src_s[s]`` of the fresh samples (R, out of range:
+  the slot keeps what it holds). With the rows replicated and ``src_s`` split like the slots, every device
+  reads its own slots' rows: no collective, where a scatter to data-dependent slots makes a batch-sharded
+  program gather every row and index onto every device (one all-gather per field)."""
+  rows = decode_lib.new_rows(state.tokens_st.shape[1], prompt_rp, prompt_len_r, sample_id_r, forced_len_r)
+  hit_s = src_s < prompt_rp.shape[0]
+
+  def pick(buf, new):
+    hit = hit_s.reshape(hit_s.shape + (1,) * (buf.ndim - 1))
+    return jnp.where(hit, new.at[src_s].get(mode="fill", fill_value=0), buf)
+
+  return jax.tree.map(pick, state, rows)
+
+
 def prefill(spec: GenerateSpec, width: int, params, cache, state: SlotState, slot_r, is_new_r, prompt_rp,
             prompt_len_r, sample_id_r, forced_len_r, lead_u=None, from_r=None):
   """Admits the rows with ``is_new_r`` and rebuilds the KV of every row's prefix in slots ``slot_r``.
@@ -262,8 +277,10 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique
     if unique < rows:
       k, lead_r, from_r = shared_prompts(take(pending.source_q), k, unique)
     rank_s = jnp.cumsum(free_s, dtype=jnp.int32) - 1
-    dest_r = jnp.full((rows,), num_slots, jnp.int32).at[jnp.where(free_s & (rank_s < k), rank_s, rows)].set(
-        jnp.arange(num_slots, dtype=jnp.int32), mode="drop")
+    # The k lowest free slots take rows 0 .. k - 1: src_s is each slot's row (rows: none), dest_r its inverse.
+    src_s = jnp.where(free_s & (rank_s < k), rank_s, rows)
+    dest_r = jnp.full((rows,), num_slots, jnp.int32).at[src_s].set(jnp.arange(num_slots, dtype=jnp.int32),
+                                                                    mode="drop")
     valid_r = jnp.arange(rows) < k
     prompt_len_r = take(pending.prompt_len_q)
     # The narrowest of ``new_widths`` that holds every admitted prompt but its last token.
@@ -274,17 +291,22 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique
     b1, b2 = row_shardings
     rows_1 = lambda x: jax.lax.with_sharding_constraint(x, b1)
     dest_r = rows_1(dest_r)
-    state = _admit(c.state, jnp.where(valid_r, dest_r, num_slots),
-                   jax.lax.with_sharding_constraint(take(pending.prompt_qp), b2), rows_1(prompt_len_r),
-                   rows_1(take(pending.sample_id_q)), rows_1(take(pending.forced_len_q)))
-    source_r, from_arg, forward_rows = dest_r, (), rows
-    if unique < rows:   # each distinct prompt's first row (its slot) leads; U rows split like the others
-      lead_u = jnp.full((unique,), num_slots, jnp.int32).at[jnp.where(lead_r & valid_r, from_r, unique)].set(
-          dest_r, mode="drop")
-      source_r, from_arg, forward_rows = rows_1(lead_u), (rows_1(from_r),), unique
+    # The requests' fields are replicated (``pending``): each slot reads its row where it is.
+    prompt_rp = take(pending.prompt_qp)
+    state = _admit_by_slot(c.state, src_s, prompt_rp, prompt_len_r, take(pending.sample_id_q),
+                           take(pending.forced_len_q))
+    # The forward's rows: the admitted rows' prefixes, which are their prompts (nothing sampled yet), read
+    # from the replicated requests rather than gathered back from the slots; zero rows past the admitted.
+    source_r, from_arg, forward_rows = jnp.where(valid_r, jnp.arange(rows, dtype=jnp.int32), rows), (), rows
+    if unique < rows:   # each distinct prompt's first row leads; U rows split like the others
+      source_r = jnp.full((unique,), rows, jnp.int32).at[jnp.where(lead_r & valid_r, from_r, unique)].set(
+          jnp.arange(rows, dtype=jnp.int32), mode="drop")
+      from_arg, forward_rows = (rows_1(from_r),), unique
     widest = new_widths[-1]
-    tokens_rw = jax.lax.with_sharding_constraint(
-        state.tokens_st.at[source_r, :widest].get(mode="fill", fill_value=0), b2)
+    prompt_rw = prompt_rp[:, :widest]
+    if prompt_rw.shape[1] < widest:   # a slot's row is its prompt then zeros
+      prompt_rw = jnp.pad(prompt_rw, ((0, 0), (0, widest - prompt_rw.shape[1])))
+    tokens_rw = jax.lax.with_sharding_constraint(prompt_rw.at[source_r].get(mode="fill", fill_value=0), b2)
     # Only the forward depends on the width: the switch neither takes nor returns the cache, so XLA
     # updates it in place (a cache passing through a conditional is copied in and out of it).
     kv_dtype = c.cache["k"].dtype
@@ -295,8 +317,9 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique
     width = jnp.asarray(new_widths, jnp.int32)[branch]
     return c.replace(state=new_state, cache=new_cache, ptr=c.ptr + k, refills=c.refills + 1, filling=True,
                      refill_tokens=c.refill_tokens + forward_rows * width,
-                     group_s=c.group_s.at[dest_r].set(take(pending.group_q), mode="drop"),
-                     live_s=c.live_s.at[dest_r].set(True, mode="drop"))
+                     group_s=jnp.where(src_s < rows, take(pending.group_q).at[src_s].get(mode="fill", fill_value=0),
+                                       c.group_s),
+                     live_s=c.live_s | (src_s < rows))
 
   def met(c):
     complete_g = c.remaining_g <= 0
