@@ -270,21 +270,23 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique
 
   def refill_once(c):
     c = move_done(c)
-    free_s = c.state.done_s
-    k = jnp.minimum(jnp.minimum(rows, jnp.sum(free_s, dtype=jnp.int32)), left(c))
-    index_r = c.ptr + jnp.arange(rows, dtype=jnp.int32)
     # The requests' window and what is computed from it stay replicated, as ``pending`` is (every device
     # reads it whole): left unconstrained, the rows' split over the batch axes for the forward below
-    # propagates back into them and each read becomes a gather between devices.
+    # propagates back into them and each read becomes a gather between devices. The slots' free flags are
+    # gathered once, so the refill's bookkeeping is computed alike on every device.
     everywhere = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
+    free_s = everywhere(c.state.done_s)
+    k = jnp.minimum(jnp.minimum(rows, jnp.sum(free_s, dtype=jnp.int32)), left(c))
+    index_r = c.ptr + jnp.arange(rows, dtype=jnp.int32)
     take = lambda x: everywhere(x.at[index_r].get(mode="fill", fill_value=0))
     if unique < rows:
       k, lead_r, from_r = map(everywhere, shared_prompts(take(pending.source_q), k, unique))
     rank_s = jnp.cumsum(free_s, dtype=jnp.int32) - 1
     # The k lowest free slots take rows 0 .. k - 1: src_s is each slot's row (rows: none), dest_r its inverse.
-    src_s = jnp.where(free_s & (rank_s < k), rank_s, rows)
-    dest_r = jnp.full((rows,), num_slots, jnp.int32).at[src_s].set(jnp.arange(num_slots, dtype=jnp.int32),
-                                                                    mode="drop")
+    src_s = everywhere(jnp.where(free_s & (rank_s < k), rank_s, rows))
+    dest_r = everywhere(jnp.full((rows,), num_slots, jnp.int32).at[src_s].set(
+        jnp.arange(num_slots, dtype=jnp.int32), mode="drop"))
+    src_s = jax.lax.with_sharding_constraint(src_s, NamedSharding(mesh, P(BATCH_AXES)))   # each device's slots
     valid_r = jnp.arange(rows) < k
     prompt_len_r = take(pending.prompt_len_q)
     # The narrowest of ``new_widths`` that holds every admitted prompt but its last token.
