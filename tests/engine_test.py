@@ -291,11 +291,11 @@ def test_bookkeeping_is_bounded_by_live_samples():
     assert not engine._ids and not engine._group_added and not engine._group_returned
 
 
-def test_admitting_by_slot_moves_nothing_between_devices_and_equals_the_scatter():
-  """A refill admits its rows by slot (``slots._admit_by_slot``): with the requests replicated, each device
-  reads its own slots' rows. The refill's form before, the rows split over the batch shards like its
-  forward's and scattered to their slots (``slots._admit``), gathers rows and indices across the shards;
-  both leave the slots the same."""
+def test_a_refill_admits_its_rows_without_gathering_them_between_devices():
+  """A refill writes its rows into their slots (``slots._admit``) from the replicated requests, with the
+  destination slots computed alike on every device: each device writes the rows its own slots take, no
+  collective. The rows split over the batch shards, as the refill's forward splits them (the form before),
+  are first gathered onto every device. Both leave the slots the same."""
   from rl_fusion_jax.rollout import decode as decode_lib  # pylint: disable=import-outside-toplevel
   from rl_fusion_jax.sharding.mesh import batch_sharding, replicated  # pylint: disable=import-outside-toplevel
   mesh = make_mesh(MeshConfig(data=4, fsdp=2, tensor=1))
@@ -305,23 +305,21 @@ def test_admitting_by_slot_moves_nothing_between_devices_and_equals_the_scatter(
   state = state.replace(done_s=jnp.asarray(rng.random(num_slots) < 0.5),
                         tokens_st=jnp.asarray(rng.integers(1, 9, (num_slots, seq_len)), jnp.int32))
   free = np.flatnonzero(np.asarray(state.done_s))[:rows]
-  src_s = np.full(num_slots, rows, np.int32)
-  src_s[free] = np.arange(len(free))
-  dest_r = np.full(rows, num_slots, np.int32)
+  assert 0 < len(free) < rows
+  dest_r = np.full(rows, num_slots, np.int32)      # rows past the free slots: dropped
   dest_r[:len(free)] = free
-  assert 0 < len(free) < num_slots
   requests = (jnp.asarray(rng.integers(1, 9, (rows, width)), jnp.int32),       # prompts, prompt lengths,
               jnp.asarray(rng.integers(1, width + 1, rows), jnp.int32),       # sample ids, forced lengths
               jnp.arange(rows, dtype=jnp.int32) + 100, jnp.zeros((rows,), jnp.int32))
   state_sh = decode_lib.state_shardings(mesh)
-  rep, b1 = replicated(mesh), batch_sharding(mesh, 1)
-  by_slot = jax.jit(slots._admit_by_slot, in_shardings=(state_sh, b1) + (rep,) * 4, out_shardings=state_sh)
-  b2 = batch_sharding(mesh, 2)
-  scatter = jax.jit(slots._admit, in_shardings=(state_sh, b1, b2, b1, b1, b1), out_shardings=state_sh)
+  rep, b1, b2 = replicated(mesh), batch_sharding(mesh, 1), batch_sharding(mesh, 2)
+  everywhere = jax.jit(slots._admit, in_shardings=(state_sh,) + (rep,) * 5, out_shardings=state_sh)
+  split = jax.jit(slots._admit, in_shardings=(state_sh, b1, b2, b1, b1, b1), out_shardings=state_sh)
   collectives = ("all-gather(", "all-reduce(", "all-to-all(", "collective-permute(", "reduce-scatter(")
-  count = lambda fn, *args: sum(fn.lower(*args).compile().as_text().count(c) for c in collectives)
-  assert count(by_slot, state, src_s, *requests) == 0
-  assert count(scatter, state, dest_r, *requests) > 0
-  for got, want in zip(jax.tree.leaves(by_slot(state, src_s, *requests)),
-                       jax.tree.leaves(scatter(state, dest_r, *requests))):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  count = lambda fn: sum(fn.lower(state, dest_r, *requests).compile().as_text().count(c) for c in collectives)
+  assert count(everywhere) == 0
+  assert count(split) > 0
+  got, want = everywhere(state, dest_r, *requests), split(state, dest_r, *requests)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(np.asarray(got.sample_id_s)[free], np.arange(len(free)) + 100)

@@ -48,24 +48,13 @@ MIN_PREFILL_WIDTH = 8
 
 
 def _admit(state: SlotState, dest_r, prompt_rp, prompt_len_r, sample_id_r, forced_len_r) -> SlotState:
-  """Writes fresh samples into slots ``dest_r``; an index of S (out of range) drops that row."""
+  """Writes fresh samples into slots ``dest_r``; an index of S (out of range) drops that row.
+
+  With the rows and ``dest_r`` replicated, each device writes the rows that land in its own slots; rows
+  split over the batch axes instead make a batch-sharded program gather every row and index onto every
+  device first (one all-gather per field)."""
   rows = decode_lib.new_rows(state.tokens_st.shape[1], prompt_rp, prompt_len_r, sample_id_r, forced_len_r)
   return jax.tree.map(lambda buf, new: buf.at[dest_r].set(new, mode="drop"), state, rows)
-
-
-def _admit_by_slot(state: SlotState, src_s, prompt_rp, prompt_len_r, sample_id_r, forced_len_r) -> SlotState:
-  """``_admit`` seen from the slots: slot s takes row ``src_s[s]`` of the fresh samples (R, out of range:
-  the slot keeps what it holds). With the rows replicated and ``src_s`` split like the slots, every device
-  reads its own slots' rows: no collective, where a scatter to data-dependent slots makes a batch-sharded
-  program gather every row and index onto every device (one all-gather per field)."""
-  rows = decode_lib.new_rows(state.tokens_st.shape[1], prompt_rp, prompt_len_r, sample_id_r, forced_len_r)
-  hit_s = src_s < prompt_rp.shape[0]
-
-  def pick(buf, new):
-    hit = hit_s.reshape(hit_s.shape + (1,) * (buf.ndim - 1))
-    return jnp.where(hit, new.at[src_s].get(mode="fill", fill_value=0), buf)
-
-  return jax.tree.map(pick, state, rows)
 
 
 def prefill(spec: GenerateSpec, width: int, params, cache, state: SlotState, slot_r, is_new_r, prompt_rp,
@@ -282,11 +271,10 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique
     if unique < rows:
       k, lead_r, from_r = map(everywhere, shared_prompts(take(pending.source_q), k, unique))
     rank_s = jnp.cumsum(free_s, dtype=jnp.int32) - 1
-    # The k lowest free slots take rows 0 .. k - 1: src_s is each slot's row (rows: none), dest_r its inverse.
-    src_s = everywhere(jnp.where(free_s & (rank_s < k), rank_s, rows))
-    dest_r = everywhere(jnp.full((rows,), num_slots, jnp.int32).at[src_s].set(
+    # The k lowest free slots take rows 0 .. k - 1 (dest_r: each row's slot, S for none).
+    slot_row_s = jnp.where(free_s & (rank_s < k), rank_s, rows)
+    dest_r = everywhere(jnp.full((rows,), num_slots, jnp.int32).at[slot_row_s].set(
         jnp.arange(num_slots, dtype=jnp.int32), mode="drop"))
-    src_s = jax.lax.with_sharding_constraint(src_s, NamedSharding(mesh, P(BATCH_AXES)))   # each device's slots
     valid_r = jnp.arange(rows) < k
     prompt_len_r = take(pending.prompt_len_q)
     # The narrowest of ``new_widths`` that holds every admitted prompt but its last token.
@@ -296,11 +284,9 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique
     # prefill all of them).
     b1, b2 = row_shardings
     rows_1 = lambda x: jax.lax.with_sharding_constraint(x, b1)
-    dest_r = rows_1(dest_r)
-    # The requests' fields are replicated (``pending``): each slot reads its row where it is.
+    # The requests' fields and dest_r are replicated: each device writes the rows its own slots take.
     prompt_rp = take(pending.prompt_qp)
-    state = _admit_by_slot(c.state, src_s, prompt_rp, prompt_len_r, take(pending.sample_id_q),
-                           take(pending.forced_len_q))
+    state = _admit(c.state, dest_r, prompt_rp, prompt_len_r, take(pending.sample_id_q), take(pending.forced_len_q))
     # The forward's rows: the admitted rows' prefixes, which are their prompts (nothing sampled yet), read
     # from the replicated requests rather than gathered back from the slots; zero rows past the admitted.
     source_r, from_arg, forward_rows = jnp.where(valid_r, jnp.arange(rows, dtype=jnp.int32), rows), (), rows
@@ -319,13 +305,12 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique
     rows_cache = jax.lax.switch(
         branch, [functools.partial(prefix_kv, spec, w, kv_dtype, pad_to=widest) for w in new_widths],
         params, tokens_rw, *from_arg)
-    new_state, new_cache = state, _write_kv(c.cache, dest_r, rows_cache)
+    new_state, new_cache = state, _write_kv(c.cache, rows_1(dest_r), rows_cache)
     width = jnp.asarray(new_widths, jnp.int32)[branch]
     return c.replace(state=new_state, cache=new_cache, ptr=c.ptr + k, refills=c.refills + 1, filling=True,
                      refill_tokens=c.refill_tokens + forward_rows * width,
-                     group_s=jnp.where(src_s < rows, take(pending.group_q).at[src_s].get(mode="fill", fill_value=0),
-                                       c.group_s),
-                     live_s=c.live_s | (src_s < rows))
+                     group_s=c.group_s.at[dest_r].set(take(pending.group_q), mode="drop"),
+                     live_s=c.live_s.at[dest_r].set(True, mode="drop"))
 
   def met(c):
     complete_g = c.remaining_g <= 0
