@@ -188,6 +188,8 @@ class _Carry:
   group_s: jax.Array      # its group's index in the chunk's group table (G: none)
   remaining_g: jax.Array
   filling: jax.Array      # a static refill is under way
+  free: jax.Array         # slots done (free or holding a finished sample): sum(state.done_s)
+  finished: jax.Array     # samples that finished in this chunk: sum(out_n) + sum(state.done_s & live_s)
 
 
 def _move_local(outbox, out_order, out_n, rows_sc, order_s, move_s):
@@ -251,8 +253,10 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique
   params = models.decoding_params(spec.model, params)
   left = lambda c: pending.count - c.ptr
 
+  # The loop's conditions read the counts the carry keeps (``free``, ``finished``), the same on every device,
+  # rather than summing the batch-split slot flags: no collective of their own in each decode step.
   def can_refill(c):
-    free = jnp.sum(c.state.done_s, dtype=jnp.int32)
+    free = c.free
     # Static: a refill starts once every slot is free and goes on until the slots are full.
     enough = (free == num_slots) | c.filling if static else free >= jnp.minimum(rows, left(c))
     return (left(c) > 0) & (free > 0) & enough
@@ -308,22 +312,22 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique
     new_state, new_cache = state, _write_kv(c.cache, rows_1(dest_r), rows_cache)
     width = jnp.asarray(new_widths, jnp.int32)[branch]
     return c.replace(state=new_state, cache=new_cache, ptr=c.ptr + k, refills=c.refills + 1, filling=True,
+                     free=c.free - k,
                      refill_tokens=c.refill_tokens + forward_rows * width,
                      group_s=c.group_s.at[dest_r].set(take(pending.group_q), mode="drop"),
                      live_s=c.live_s.at[dest_r].set(True, mode="drop"))
 
   def met(c):
     complete_g = c.remaining_g <= 0
-    done = jnp.sum(c.out_n) + jnp.sum(c.state.done_s & c.live_s, dtype=jnp.int32)
     return (target.armed & ~target.blocked & (jnp.sum(complete_g, dtype=jnp.int32) >= target.need_groups)
-            & jnp.all(complete_g | ~target.awaited_g) & (done >= target.need_samples))
+            & jnp.all(complete_g | ~target.awaited_g) & (c.finished >= target.need_samples))
 
   def needs_host(c):   # a refill is due but the uploaded requests are spent
-    free = jnp.sum(c.state.done_s, dtype=jnp.int32)
+    free = c.free
     return target.more_queued & (left(c) <= 0) & (free == num_slots if static else free >= rows)
 
   def cond(c):
-    active = jnp.any(~c.state.done_s)
+    active = c.free < num_slots
     return (c.step < steps) & ~met(c) & (active | can_refill(c)) & ~needs_host(c)
 
   def decode(c):
@@ -331,8 +335,11 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique
     new_state, new_cache = decode_lib.decode_step(spec, params, c.state, c.cache, rng, version)
     newly_s = new_state.done_s & active_s
     finished_g = jax.ops.segment_sum(newly_s.astype(jnp.int32), c.group_s, num_groups)
-    return c.replace(state=new_state, cache=new_cache, step=c.step + 1,
-                     tokens=c.tokens + jnp.sum(active_s, dtype=jnp.int32), remaining_g=c.remaining_g - finished_g)
+    # Every active slot is live (a slot leaves the outbox's way only once done), so each newly done one
+    # is a sample finished in this chunk.
+    newly = jnp.sum(newly_s, dtype=jnp.int32)
+    return c.replace(state=new_state, cache=new_cache, step=c.step + 1, tokens=c.tokens + num_slots - c.free,
+                     remaining_g=c.remaining_g - finished_g, free=c.free + newly, finished=c.finished + newly)
 
   def body(c):
     # ``cond`` holds: a slot is active, or a refill is due and admits at least one; either way the
@@ -347,7 +354,8 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique
   out_order = on_shards(jnp.zeros((shards, per_shard), jnp.int32), b2)
   c = _Carry(step=zero, tokens=zero, refills=zero, refill_tokens=zero, state=state, cache=cache, ptr=zero, outbox=outbox,
              out_order=out_order, out_n=on_shards(jnp.zeros((shards,), jnp.int32), b1), live_s=~state.done_s,
-             group_s=group_s, remaining_g=target.remaining_g, filling=jnp.zeros((), bool))
+             group_s=group_s, remaining_g=target.remaining_g, filling=jnp.zeros((), bool),
+             free=jnp.sum(state.done_s, dtype=jnp.int32), finished=zero)
   c = move_done(jax.lax.while_loop(cond, body, c))
   # What every host reads of the outboxes: each finished sample's id (pack_rows' last column) and shard,
   # in the chunk's completion order [S + pending].
