@@ -269,7 +269,7 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique
     # gathered once, so the refill's bookkeeping is computed alike on every device.
     everywhere = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
     free_s = everywhere(c.state.done_s)
-    k = jnp.minimum(jnp.minimum(rows, jnp.sum(free_s, dtype=jnp.int32)), left(c))
+    k = jnp.minimum(jnp.minimum(rows, c.free), left(c))
     index_r = c.ptr + jnp.arange(rows, dtype=jnp.int32)
     take = lambda x: everywhere(x.at[index_r].get(mode="fill", fill_value=0))
     if unique < rows:
@@ -335,8 +335,8 @@ def run_chunk(spec: GenerateSpec, new_widths: tuple[int, ...], rows: int, unique
     new_state, new_cache = decode_lib.decode_step(spec, params, c.state, c.cache, rng, version)
     newly_s = new_state.done_s & active_s
     finished_g = jax.ops.segment_sum(newly_s.astype(jnp.int32), c.group_s, num_groups)
-    # Every active slot is live (a slot leaves the outbox's way only once done), so each newly done one
-    # is a sample finished in this chunk.
+    # Every active slot is live (only done slots move to the outbox), so each newly done slot is a sample
+    # finished in this chunk.
     newly = jnp.sum(newly_s, dtype=jnp.int32)
     return c.replace(state=new_state, cache=new_cache, step=c.step + 1, tokens=c.tokens + num_slots - c.free,
                      remaining_g=c.remaining_g - finished_g, free=c.free + newly, finished=c.finished + newly)
