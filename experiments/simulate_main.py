@@ -20,7 +20,8 @@ more than --tolerance (unless --nofail_on_miss: experiments/report_main.py repor
 --cluster: Tables 1 and 2 and the sweep at cluster scale (``sim/tables.py``, every input with its source
 in ``sim/cluster.py``): Table 1 on one 384-device supernode, Table 2 on 1, 2 and 4 supernodes (weak
 scaling) with the terms that grow with the supernodes, and the sweep of the inputs that move it. Writes
-OUT/cluster.md and OUT/cluster.json (~4 min; --quick: a smaller workload and fewer steps, ~12 s).
+OUT/cluster.md and OUT/cluster.json (~4 min; --quick: a smaller workload, fewer steps and one value per swept
+input, ~8 s).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ _FIT_RUN = flags.DEFINE_string("fit_run", "", "One measured run's workdir: print
 _WARM = flags.DEFINE_integer("warm_steps", 4, "--fit_run: its first N steps are not measured (compiles).")
 _CLUSTER = flags.DEFINE_bool("cluster", False, "Simulate Tables 1 and 2 at cluster scale and the sweep.")
 _OUT = flags.DEFINE_string("out", None, "Output folder.")
-_QUICK = flags.DEFINE_bool("quick", False, "Cluster: a smaller workload and fewer steps.")
+_QUICK = flags.DEFINE_bool("quick", False, "Cluster: a smaller workload, fewer steps, one value per swept input.")
 _SHARING_SWEEP = flags.DEFINE_bool("sharing_sweep", True, "--ablation: also the separated deployment's held-out "
                                    "errors under other processor-sharing thread counts.")
 _TOLERANCE = flags.DEFINE_float("tolerance", 0.15, "Largest held-out step-time error a prediction may have.")

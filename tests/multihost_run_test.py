@@ -9,6 +9,7 @@ uses XLA's in-process collectives: float rounding apart from the first update, t
 
 Marked ``multihost`` (README's test command runs this suite after the default one).
 """
+import fcntl
 import json
 import os
 import re
@@ -24,21 +25,50 @@ pytestmark = pytest.mark.multihost
 
 CONFIG = os.path.join(launch.ROOT, "experiments", "configs", "arithmetic.py")
 CACHE = launch.TEST_CACHE
-# The main job's config with one layer (less to compile), a few steps: 8 warm-up steps, 16
-# held-out problems, a checkpoint every 2 steps. The policy fixed at bf16_matmul (the config's 'auto' picks
-# float32 on a CPU without bfloat16 instructions): in float32 the 1-process and 2-process runs differ at
-# rounding level from the first update on (loss 0.17834024 against 0.17834023, and the KL to the reference
-# 7e-17 against 0 at step 1, on a 2-core AMD EPYC without AVX-512), where in bf16_matmul they are equal bit
-# for bit on that machine and on one with AVX512-BF16.
-QUICK = ["--config.warmup.steps=8", "--config.warmup.checkpoint_every=0", "--config.task.eval_problems=16",
-         "--config.task.eval_samples=0", "--config.run.eval_every=0", "--config.run.checkpoint_every=2",
-         "--config.model.num_layers=1", "--config.model.scan_unroll=1", "--config.model.dtype=bf16_matmul",
-         f"--compilation_cache={CACHE}"]
+# The main job's config with one layer (less to compile), a few steps: 16 held-out problems, a checkpoint
+# every 2 steps. The policy fixed at bf16_matmul (the config's 'auto' picks float32 on a CPU without
+# bfloat16 instructions): in float32 the 1-process and 2-process runs differ at rounding level from the
+# first update on (loss 0.17834024 against 0.17834023, and the KL to the reference 7e-17 against 0 at step 1,
+# on a 2-core AMD EPYC without AVX-512), where in bf16_matmul they are equal bit for bit on that machine and
+# on one with AVX512-BF16.
+QUICK = ["--config.task.eval_problems=16", "--config.task.eval_samples=0", "--config.run.eval_every=0",
+         "--config.run.checkpoint_every=2", "--config.model.num_layers=1", "--config.model.scan_unroll=1",
+         "--config.model.dtype=bf16_matmul", f"--compilation_cache={CACHE}"]
+# Where a run starts: 8 warm-up steps of its own (the killed-and-resumed full-mode test: the warm-up across
+# processes), or the policy 8 warm-up steps give as 1 process x 1 device, exported once (``warm_hf``) and
+# loaded. From a random
+# policy every reward, advantage and loss of these short runs is 0; from the warmed-up one they are not
+# (mean |advantage| 0.84 at step 1), so the equalities below compare real updates.
+WARMUP = ["--config.warmup.steps=8", "--config.warmup.checkpoint_every=0"]
 RUN_TIMEOUT = 300
 
 
-def _args(workdir, variant="", steps=4, extra=()):
-  return [f"--config={CONFIG}{variant}", f"--workdir={workdir}", f"--config.run.steps={steps}", *QUICK, *extra]
+def _args(workdir, variant="", steps=4, extra=(), warm=None):
+  """``warm``: the exported warm-up to start from (``warm_hf``); None: the run's own 8 warm-up steps."""
+  start = WARMUP if warm is None else [f"--config.model.hf_path={warm}", "--config.warmup.steps=0"]
+  return [f"--config={CONFIG}{variant}", f"--workdir={workdir}", f"--config.run.steps={steps}", *QUICK, *start,
+          *extra]
+
+
+@pytest.fixture(scope="session")
+def warm_hf(tmp_path_factory, worker_id) -> str:
+  """The policy after the main job's 8 warm-up steps (one layer), as a Hugging Face folder: made once per
+  test session (the pytest-xdist workers share it through their common temporary folder, under a lock) by
+  ``grpo_main.py --export_hf`` as 1 process x 1 device."""
+  base = tmp_path_factory.getbasetemp()
+  root = base.parent if worker_id != "master" else base     # the workers' folders share this session's parent
+  out = root / "multihost_warmup_hf"
+  with open(root / "multihost_warmup.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not (out / "model.safetensors").exists():
+      made = root / "multihost_warmup_hf.partial"
+      shutil.rmtree(made, ignore_errors=True)
+      run = launch.start("grpo_main.py", _args(str(root / "multihost_warmup_run"), steps=0,
+                                               extra=[f"--export_hf={made}"]),
+                         processes=1, devices=1, log_dir=str(root / "multihost_warmup_logs"), coordinator=False)
+      assert run.wait(RUN_TIMEOUT) == [0], run.log(0)[-3000:]
+      os.rename(made, out)
+  return str(out)
 
 
 def _run(tmp_path, name, processes, devices, **kwargs) -> str:
@@ -155,19 +185,20 @@ stalesync_group = pytest.mark.xdist_group("multihost_run_test.py::stalesync")
 
 
 @pytest.fixture(scope="module")
-def stalesync_one(tmp_path_factory) -> str:
+def stalesync_one(tmp_path_factory, warm_hf) -> str:
   """StaleSync (s = 1, half the groups per update), 1 process x 4 devices, straight through."""
-  return _run(tmp_path_factory.mktemp("stalesync"), "one", 1, 4, variant=":stalesync", steps=_STALESYNC_STEPS)
+  return _run(tmp_path_factory.mktemp("stalesync"), "one", 1, 4, variant=":stalesync", steps=_STALESYNC_STEPS,
+              warm=warm_hf)
 
 
 @pytest.fixture(scope="module")
-def stalesync_stopped(tmp_path_factory) -> dict:
+def stalesync_stopped(tmp_path_factory, warm_hf) -> dict:
   """StaleSync across 2 processes; only process 1 gets SIGTERM once step 2 is recorded. Returns the run's
   exit codes, logs and args, its workdir (resumed by one test) and a copy of that workdir as the run
   left it (resumed on another process count by the other)."""
   tmp_path = tmp_path_factory.mktemp("stalesync_stopped")
   workdir = str(tmp_path / "two")
-  args = _args(workdir, variant=":stalesync", steps=_STALESYNC_STEPS, extra=_STALESYNC_SAVES)
+  args = _args(workdir, variant=":stalesync", steps=_STALESYNC_STEPS, extra=_STALESYNC_SAVES, warm=warm_hf)
   run = launch.start("grpo_main.py", args, processes=2, devices=2, log_dir=str(tmp_path / "two_logs"))
   metrics = os.path.join(workdir, "metrics.jsonl")
   run.wait_for(lambda: len(_recorded_steps(metrics)) >= 3,
@@ -194,7 +225,7 @@ def _stop_step(stopped: dict) -> int:
 
 @stalesync_group
 def test_stalesync_across_processes_equals_one_process_also_resumed_on_another_count(
-    tmp_path, stalesync_one, stalesync_stopped):
+    tmp_path, stalesync_one, stalesync_stopped, warm_hf):
   """StaleSync (s = 1, half the groups per update): each process feeds its devices' rows from its own
   queue replica; the run's queue counters are the processes' sums, equal to one process reading all.
   The 2-process run, stopped after the checkpoint of step 2 or later (SIGTERM), continues as 1 process x
@@ -203,7 +234,7 @@ def test_stalesync_across_processes_equals_one_process_also_resumed_on_another_c
   workdir = stalesync_stopped["copy"]
   assert max(r["step"] for r in _metrics(workdir)) == step
   run = launch.start("grpo_main.py", _args(workdir, variant=":stalesync", steps=_STALESYNC_STEPS,
-                                           extra=_STALESYNC_SAVES),
+                                           extra=_STALESYNC_SAVES, warm=warm_hf),
                      processes=1, devices=4, log_dir=str(tmp_path / "one_logs"))
   assert run.wait(RUN_TIMEOUT) == [0], run.log(0)[-3000:]
   assert "resumed from rl checkpoint" in run.log(0)
@@ -272,7 +303,7 @@ def _assert_rows_by_process(workdir: str):
 
 @pytest.mark.parametrize("mode", ["separated", "hybrid", "hybrid_stalesync", "colocated_packed",
                                   "colocated_packed_stalesync"])
-def test_deployment_modes_across_processes_equal_one_process(tmp_path, mode):
+def test_deployment_modes_across_processes_equal_one_process(tmp_path, mode, warm_hf):
   """Every sub-mesh takes the same share of each process's devices (hybrid: one aux device each; its update
   on packed rows, a learned reward model beside the reference on the aux devices; hybrid_stalesync: the
   same under StaleSync, where the aux stage's results and the advantages reach the update through the
@@ -300,8 +331,8 @@ def test_deployment_modes_across_processes_equal_one_process(tmp_path, mode):
                                    str(tmp_path / "rm"))
     extra += ["--config.fusion.aux_devices=2", "--config.optim.pack_rows=True",
               f"--config.task.reward_model={tmp_path / 'rm'}", "--config.task.reward_model_weight=0.5"]
-  one = _run(tmp_path, "one", 1, 4, variant=":kl", steps=2, extra=extra)
-  two = _run(tmp_path, "two", 2, 2, variant=":kl", steps=2, extra=extra)
+  one = _run(tmp_path, "one", 1, 4, variant=":kl", steps=2, extra=extra, warm=warm_hf)
+  two = _run(tmp_path, "two", 2, 2, variant=":kl", steps=2, extra=extra, warm=warm_hf)
   # Hybrid's reference scores samples as they finish (aux_stage/*), in one process and across two alike.
   _assert_same_metrics(one, two, only_in_a=())
   # Rows by process (Engine.local_rows), in every mode.
@@ -410,7 +441,9 @@ def test_separated_main_sides_start_as_two_commands(tmp_path):
   config = os.path.join(launch.ROOT, "experiments", "configs", "tiny_grpo.py")
   args = [f"--config={config}", f"--workdir={workdir}", "--config.fusion.mode=separated",
           "--config.stalesync.enabled=True", "--config.stalesync.max_staleness=1", "--config.run.steps=2",
-          f"--compilation_cache={CACHE}"]
+          # One layer and 16 held-out problems (evaluating the config's 512 was the run's longest phase):
+          # what is checked is how the two sides start, meet and end.
+          "--config.model.num_layers=1", "--config.task.eval_problems=16", f"--compilation_cache={CACHE}"]
   run = launch.start("separated_main.py", args, processes=2, devices=1, log_dir=str(tmp_path / "logs"))
   assert run.wait(RUN_TIMEOUT) == [0, 0], "\n".join(run.log(i)[-3000:] for i in range(2))
   summary = json.load(open(workdir / "summary.json"))

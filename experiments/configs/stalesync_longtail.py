@@ -28,6 +28,7 @@ def get_config(arg: str = ""):
   c.optim.pack_rows = True
   c.optim.fixed_row_count = True           # the update compiles once (no row bucket met mid-run)
   c.task.eval_problems = 16
+  c.task.eval_samples = 0                  # greedy evaluation only (the main job's pass@8 is off)
   c.warmup.steps = 0
   c.run.steps = 11
   c.run.checkpoint_every = 0

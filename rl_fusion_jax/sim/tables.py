@@ -8,7 +8,8 @@
     supernodes (which holds the tail of more draws but none of the cross-supernode terms);
   * the sweep: Table 2's linearity for each value of the inputs that change it, and the terms that cannot
     (their seconds against the step's).
-``quick``: ``cluster.QUICK_WORK`` and fewer replayed steps (a check that the code runs, not a result).
+``quick``: ``cluster.QUICK_WORK``, fewer replayed steps and one value per swept input (a check that the code
+runs, not a result).
 """
 from __future__ import annotations
 
@@ -123,11 +124,12 @@ UNCAPPED_TAIL = ("sigma 0.4", _set("work.sigma"), 0.4)
 
 
 def sweep(c: cluster.Cluster, quick: bool) -> list[dict]:
+  """One row per input, value and tail of ``SWEEP`` (``quick``: each input's first value only)."""
   rows = []
   label, apply_tail, sigma = UNCAPPED_TAIL
   for name, values, apply, fmt, both in SWEEP:
     for tail, base in (("default", c),) + (((label, apply_tail(c, sigma)),) if both else ()):
-      for value in values:
+      for value in values[:1] if quick else values:
         rows.append({"input": name, "value": fmt.format(value), "tail": tail, **_sweep_row(apply(base, value), quick)})
   return rows
 
