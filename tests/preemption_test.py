@@ -37,7 +37,9 @@ STEPS = 6
 TINY = ["--config.model.hidden_size=32", "--config.model.num_layers=1", "--config.model.scan_unroll=1",
         "--config.model.num_heads=4",
         "--config.model.num_kv_heads=2", "--config.model.intermediate_size=64", "--config.task.eval_problems=16",
-        "--config.rollout.num_prompts=4", "--config.rollout.group_size=4", "--config.warmup.steps=6",
+        # Greedy evaluation only: the main job's sampled one (pass@8) across a resume is
+        # resume_test.py::test_sigkill_at_a_random_point_then_resume_equals_uninterrupted's.
+        "--config.task.eval_samples=0", "--config.rollout.num_prompts=4", "--config.rollout.group_size=4", "--config.warmup.steps=6",
         "--config.warmup.batch_size=16", "--config.warmup.checkpoint_every=0", "--config.run.checkpoint_every=0",
         "--config.run.eval_every=3", "--config.run.progress_every_s=0", f"--compilation_cache={CACHE}"]
 STALESYNC = ["--config.stalesync.enabled=True", "--config.stalesync.max_staleness=1",
