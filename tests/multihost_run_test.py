@@ -36,9 +36,9 @@ QUICK = ["--config.task.eval_problems=16", "--config.task.eval_samples=0", "--co
          "--config.model.dtype=bf16_matmul", f"--compilation_cache={CACHE}"]
 # Where a run starts: 8 warm-up steps of its own (the killed-and-resumed full-mode test: the warm-up across
 # processes), or the policy 8 warm-up steps give as 1 process x 1 device, exported once (``warm_hf``) and
-# loaded. From a random
-# policy every reward, advantage and loss of these short runs is 0; from the warmed-up one they are not
-# (mean |advantage| 0.84 at step 1), so the equalities below compare real updates.
+# loaded. From a random policy every reward, advantage and loss of these short runs is 0; from the
+# warmed-up one they are not (mean |advantage| 0.82-0.84 at step 1), so the equalities below compare real
+# updates.
 WARMUP = ["--config.warmup.steps=8", "--config.warmup.checkpoint_every=0"]
 RUN_TIMEOUT = 300
 
