@@ -51,12 +51,13 @@ def _args(workdir, variant="", steps=4, extra=(), warm=None):
 
 
 @pytest.fixture(scope="session")
-def warm_hf(tmp_path_factory, worker_id) -> str:
+def warm_hf(tmp_path_factory) -> str:
   """The policy after the main job's 8 warm-up steps (one layer), as a Hugging Face folder: made once per
   test session (the pytest-xdist workers share it through their common temporary folder, under a lock) by
   ``grpo_main.py --export_hf`` as 1 process x 1 device."""
   base = tmp_path_factory.getbasetemp()
-  root = base.parent if worker_id != "master" else base     # the workers' folders share this session's parent
+  # A pytest-xdist worker's folder is one of this session's; their parent is shared.
+  root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
   out = root / "multihost_warmup_hf"
   with open(root / "multihost_warmup.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
