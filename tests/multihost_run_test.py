@@ -64,10 +64,7 @@ def warm_hf(tmp_path_factory) -> str:
     if not (out / "model.safetensors").exists():
       made = root / "multihost_warmup_hf.partial"
       shutil.rmtree(made, ignore_errors=True)
-      run = launch.start("grpo_main.py", _args(str(root / "multihost_warmup_run"), steps=0,
-                                               extra=[f"--export_hf={made}"]),
-                         processes=1, devices=1, log_dir=str(root / "multihost_warmup_logs"), coordinator=False)
-      assert run.wait(RUN_TIMEOUT) == [0], run.log(0)[-3000:]
+      _run(root, "multihost_warmup_run", 1, 1, steps=0, extra=[f"--export_hf={made}"])
       os.rename(made, out)
   return str(out)
 
