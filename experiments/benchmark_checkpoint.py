@@ -28,6 +28,7 @@ _SAVES = flags.DEFINE_integer("saves", 6, "Saves, each waited for before the nex
 _MIN_BYTES = flags.DEFINE_integer("min_replica_parallel_bytes", -1,
                                   "Override of checkpointing.MIN_REPLICA_PARALLEL_BYTES (-1: keep it; 0: orbax's "
                                   "default, no threshold).")
+flags.mark_flags_as_required(["config"])
 
 
 def main(argv):

@@ -17,6 +17,7 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.", lock_config=True)
 _REPEATS = flags.DEFINE_integer("repeats", 20, "Timed calls per shape and form.")
+flags.mark_flags_as_required(["config"])
 
 
 def shapes(cfg) -> list[tuple[int, int, int]]:

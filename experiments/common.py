@@ -307,17 +307,32 @@ def run_wall_seconds(log_path: str) -> float:
   return t1 - t0 + (86400.0 if d1 != d0 else 0.0)
 
 
+# /proc/cpuinfo flag -> the name a machine record gives it: the vector extensions XLA:CPU's kernels use.
+CPU_FEATURES = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX"}
+
+
 def machine_record() -> dict:
   """The machine as a run is made on it (written beside the run as RUN/machine.json by ablation_main.py and
   staleness_main.py, read by the report): CPU model, cores (all, and usable by this process), the 1-minute
-  load average, OS, Python and the commit checked out (``+modified`` when tracked files differ from it)."""
+  load average, OS, Python and the commit checked out (``+modified`` when tracked files differ from it).
+  On Linux also the CPU family and which of ``CPU_FEATURES`` /proc/cpuinfo's flags hold (None elsewhere):
+  the vector extensions that decide XLA:CPU's speed, which two machines of one model name can differ in."""
   import platform  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import time  # pylint: disable=g-import-not-at-top
-  model = ""
+  model, family, features = "", None, None
   try:
     with open("/proc/cpuinfo") as f:
-      model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+      fields = {}
+      for line in f:
+        if not line.strip():
+          break                            # the first processor's block
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    model = fields.get("model name", "")
+    family = int(fields["cpu family"]) if fields.get("cpu family", "").isdigit() else None
+    present = set(fields.get("flags", "").split())
+    features = [name for flag, name in CPU_FEATURES.items() if flag in present] if present else None
   except OSError:
     pass
   try:
@@ -334,8 +349,8 @@ def machine_record() -> dict:
     commit += "+modified" if commit and dirty else ""
   except (OSError, subprocess.SubprocessError):
     commit = ""
-  return {"cpu_model": model or platform.processor() or "unknown", "cpu_count": os.cpu_count(),
-          "usable_cores": usable, "load_avg_1m": round(os.getloadavg()[0], 2),
+  return {"cpu_model": model or platform.processor() or "unknown", "cpu_family": family, "cpu_features": features,
+          "cpu_count": os.cpu_count(), "usable_cores": usable, "load_avg_1m": round(os.getloadavg()[0], 2),
           "system": f"{platform.system()} {platform.release()} {platform.machine()}",
           "python": platform.python_version(), "commit": commit, "unix_time": round(time.time(), 1)}
 

@@ -150,7 +150,10 @@ def machines_line(records: list) -> str:
   kinds = {}
   for r in known:
     usable = f", {r['usable_cores']} usable" if r.get("usable_cores") not in (None, r["cpu_count"]) else ""
-    k = f"{r['cpu_count']} CPU cores{usable} ({r['cpu_model']})"
+    cpu = r["cpu_model"] + (f", family {r['cpu_family']}" if r.get("cpu_family") is not None else "")
+    if r.get("cpu_features") is not None:
+      cpu += ": " + (", ".join(r["cpu_features"]) or "no AVX2")
+    k = f"{r['cpu_count']} CPU cores{usable} ({cpu})"
     kinds[k] = kinds.get(k, 0) + 1
   out = "; ".join(k + (f" ({n} runs)" if len(kinds) > 1 else "") for k, n in kinds.items())
   loads = [r["load_avg_1m"] for r in known if r.get("load_avg_1m") is not None]

@@ -80,6 +80,10 @@ def test_quick_report_regenerates_every_section_and_renders_again_from_its_data(
   assert len(records) == 4 and all(r["cpu_count"] == os.cpu_count() for r in records)
   table1_row = next(line for line in text.splitlines() if line.startswith("| measured Table 1 |"))
   assert f"{os.cpu_count()} CPU cores" in table1_row and records[0]["cpu_model"] in table1_row
+  # The CPU's family and vector extensions (Linux): machines of one model name differ in them.
+  if sys.platform == "linux":
+    assert f"family {records[0]['cpu_family']}" in table1_row
+    assert all(name in table1_row for name in records[0]["cpu_features"])
   assert "not recorded" not in table1_row
   # The quick runs measure their first steps, compiles and all: every run is marked, its compiles logged.
   ablation = json.loads((tmp_path / "w" / "ablation" / "ablation.json").read_text())

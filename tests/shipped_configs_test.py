@@ -307,6 +307,28 @@ def test_renamed_fields_are_refused_naming_the_new_one(old, new):
   assert _common().unknown_override(argv) == f"--config.{old} was renamed: use --config.{new}"
 
 
+def test_every_binary_with_a_config_flag_requires_it():
+  """A binary defining ``--config`` (default None) must mark it required: absl then refuses a run without
+  it, naming the flag, instead of a traceback from the config conversion of None."""
+  import ast  # pylint: disable=g-import-not-at-top
+  missing = []
+  for path in sorted((ROOT / "experiments").glob("*.py")):
+    tree = ast.parse(path.read_text())
+    defines = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+               and c.func.attr == "DEFINE_config_file" and c.args and getattr(c.args[0], "value", None) == "config"
+               and len(c.args) > 1 and getattr(c.args[1], "value", 0) is None]
+    required = {getattr(e, "value", None) for c in ast.walk(tree)
+                if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+                and c.func.attr == "mark_flags_as_required" and c.args and isinstance(c.args[0], ast.List)
+                for e in c.args[0].elts}
+    required |= {getattr(c.args[0], "value", None) for c in ast.walk(tree)
+                 if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+                 and c.func.attr == "mark_flag_as_required" and c.args}
+    if defines and "config" not in required:
+      missing.append(path.name)
+  assert not missing, f"--config defined without a default and not marked required in {missing}"
+
+
 if __name__ == "__main__":
   # Records the shipped configs' typed configs: only after an intended change to a shipped config.
   import tempfile
