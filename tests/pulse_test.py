@@ -23,7 +23,8 @@ MARGIN = 0.01
 
 @pytest.mark.parametrize("variant", ["", ":moe"])
 def test_grpo_main_runs_two_steps(tmp_path, variant):
-  """The main job, and its MoE variant (experts over the 2 default devices in both phases)."""
+  """The main job, and its MoE variant (experts over the 2 default devices in both phases; one of its four
+  layers: the placement and the router's metrics are per layer alike, and the compile is a quarter)."""
   env = launch.child_env()
   workdir = tmp_path / "run"
   cmd = [sys.executable, os.path.join(ROOT, "experiments", "grpo_main.py"),
@@ -32,7 +33,7 @@ def test_grpo_main_runs_two_steps(tmp_path, variant):
          "--config.task.eval_problems=16", f"--compilation_cache={launch.TEST_CACHE}",
          # Sampled evaluation (pass@k, the main job's task.eval_samples=8) in the main job's run; the MoE run
          # evaluates greedily only: its sampling is the rollout's, every RL step.
-         *(LEARNS if not variant else ["--config.task.eval_samples=0"])]
+         *(LEARNS if not variant else ["--config.task.eval_samples=0", "--config.model.num_layers=1"])]
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-4000:]
   assert "accuracy before RL" in proc.stdout
