@@ -350,14 +350,10 @@ def run_seconds(result: dict, finals: dict) -> dict:
 
 
 def machine() -> dict:
-  """CPU model (from /proc/cpuinfo) and count."""
-  model = "unknown"
-  try:
-    with open("/proc/cpuinfo") as f:
-      model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-  except OSError:
-    pass
-  return {"cpu": model, "cpus": os.cpu_count()}
+  """CPU model, family and vector extensions (``common.machine_record``), and count."""
+  record = common.machine_record()
+  return {"cpu": record["cpu_model"], "cpu_family": record["cpu_family"], "cpu_features": record["cpu_features"],
+          "cpus": os.cpu_count()}
 
 
 if __name__ == "__main__":
