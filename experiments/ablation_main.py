@@ -36,10 +36,10 @@ when a measured step's update or rollout phase took over 3x the run's median (th
 made before compiles were logged). The table's medians, ratios and "steady tok/s" use the unmarked runs
 only; a row with no unmarked run keeps them all and is marked itself. "steady tok/s" also takes the
 excess of such 3x-median steps out of the window (the simulator is validated on that).
-The machine is recorded when a run is made (RUN/machine.json: CPU model, family and vector extensions,
-cores, load average before and after, the commit), never read from the machine that renders a report, and
-so are its CPU counters while the run is made (RUN/cpu.json, ``common.CpuMonitor``): each run's row gives the CPU seconds that other
-processes used and that the hypervisor stole inside its measured window (``interference_runs``).
+The machine is recorded when a run is made (RUN/machine.json: CPU model, family and vector extensions, cores,
+load average before and after, the commit), never read from the machine that renders a report, and so are its
+CPU counters while the run is made (RUN/cpu.json, ``common.CpuMonitor``): each run's row gives the CPU seconds
+that other processes used and that the hypervisor stole inside its measured window (``interference_runs``).
 ``--workload_steps`` measures a workload whose steps are short over more of them (e.g. arithmetic:192).
 
 --from_runs=results/runs/ablation.json: tabulate the runs a manifest lists (folders relative to it; the

@@ -1,9 +1,10 @@
 """Programs compiled in a run's first RL step and not after it.
 
-The main job's config (at one of its four layers) compiles none after its first step, although its batches' longest samples fall in
-more than one width bucket (``step.train_width``: what ``optim.width_buckets`` would cut each batch to,
-one compile per new width). A packed update with ``optim.fixed_row_count`` compiles nothing after its first
-step either, although its batches fill different row buckets and their streams differ in length."""
+The main job's config (at one of its four layers) compiles none after its first step, although its batches'
+longest samples fall in more than one width bucket (``step.train_width``: what ``optim.width_buckets`` would
+cut each batch to, one compile per new width). A packed update with ``optim.fixed_row_count`` compiles nothing
+after its first step either, although its batches fill different row buckets and their streams differ in
+length."""
 import importlib.util
 import pathlib
 
