@@ -158,12 +158,15 @@ FIXTURES = {
 REFERENCE_SHAPE = (2, 20)  # (batch, tokens) of the reference inputs
 
 FLAGS = flags.FLAGS
+DEFAULT_OUT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rl_fusion_jax",
+                               "testing", "hf_fixtures")
 
 
 def define_flags() -> None:
   """The binary's flags; defined only when it runs, since tests load this file by path (more than one
   test module may, in one process, and absl refuses a flag defined twice)."""
-  flags.DEFINE_string("out_dir", "rl_fusion_jax/testing/hf_fixtures", "Where the fixture folders go.")
+  flags.DEFINE_string("out_dir", DEFAULT_OUT_DIR, "Where the fixture folders go (default: the repository's "
+                      "rl_fusion_jax/testing/hf_fixtures, wherever the binary is run from).")
   flags.DEFINE_list("only", [], "Names of FIXTURES to (re)build; all when empty.")
 
 
@@ -241,6 +244,15 @@ def write_fixture(spec: dict, folder: str, seed: int = 0, shape: tuple[int, int]
 def main(argv):
   del argv
   names = FLAGS.only or list(FIXTURES)
+  unknown = [n for n in names if n not in FIXTURES]
+  if unknown:
+    raise app.UsageError(f"--only: unknown fixture(s) {unknown}; known: {sorted(FIXTURES)}")
+  try:   # before any folder is made
+    import torch  # pylint: disable=import-outside-toplevel,unused-import
+    import transformers  # pylint: disable=import-outside-toplevel,unused-import
+  except ImportError as e:
+    raise SystemExit(f"make_hf_fixtures.py needs torch and transformers ({e}), which the package never "
+                     "imports: pip install -e '.[fixtures]'")
   for name in names:
     folder = os.path.join(FLAGS.out_dir, name)
     os.makedirs(folder, exist_ok=True)

@@ -260,6 +260,30 @@ def test_hf_config_reads_4x_and_5x_layouts_alike():
     models.ModelConfig.from_hf_dict({**v5, "attention_bias": True})
 
 
+def test_fixture_writer_refuses_before_writing_anything(tmp_path):
+  """experiments/make_hf_fixtures.py: an unknown --only name, and (where torch or transformers is missing)
+  the missing package, are refused before any folder is made; run from elsewhere, its default output is the
+  repository's fixture folder, not a path under the working directory."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  binary = os.path.join(os.path.dirname(__file__), "..", "experiments", "make_hf_fixtures.py")
+  out = tmp_path / "out"
+  proc = subprocess.run([sys.executable, binary, "--only=qwen2_f32,nope", f"--out_dir={out}"], cwd=tmp_path,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0 and "--only: unknown fixture(s) ['nope']" in proc.stderr, proc.stderr[-2000:]
+  assert not out.exists()
+  have = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
+  if not have:
+    proc = subprocess.run([sys.executable, binary, "--only=qwen2_f32"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "pip install -e '.[fixtures]'" in proc.stderr, proc.stderr[-2000:]
+    assert not list(tmp_path.iterdir())           # nothing under the working directory
+  spec = importlib.util.spec_from_file_location("make_hf_fixtures", binary)
+  gen = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(gen)
+  assert os.path.samefile(gen.DEFAULT_OUT_DIR, fixture_paths.FIXTURES_DIR)
+
+
 @pytest.mark.slow
 def test_fresh_transformers_models_and_export(tmp_path):
   torch = pytest.importorskip("torch", reason="needs torch to build fresh reference models")
