@@ -405,10 +405,19 @@ def held_out_findings(validation: dict) -> list[str]:
     if x and abs(x["step_error"]) > _TOLERANCE:
       others = [o["measured_step_s"] for o in validation["checks"] if o["workload"] == c["workload"]
                 and o["variant"] == c["variant"] and o["repeat"] != c["repeat"]]
+      from rl_fusion_jax.sim import fit  # pylint: disable=g-import-not-at-top
+      runs = [c["measured_step_s"], *others]
+      floor = fit.spread_floor(runs)
+      if floor <= _TOLERANCE:
+        window = (f"a value within {_TOLERANCE:.0%} of every one of them would have to lie in "
+                  f"{(1 - _TOLERANCE) * max(runs):.4f}-{(1 + _TOLERANCE) * min(runs):.4f} s")
+      else:
+        window = f"no value is within {_TOLERANCE:.0%} of every one of them"
       out.append(f"* Miss: {c['workload']} {c['variant']} repeat {c['repeat']}, predicted from the "
                  f"{c['fitted_on']} runs {x['simulated_step_s']:.3f} s a step, measured {c['measured_step_s']:.3f} s "
                  f"({x['step_error']:+.1%}); the other repeats of the same configuration measured "
-                 + " and ".join(f"{o:.3f} s" for o in others) + ".")
+                 + " and ".join(f"{o:.3f} s" for o in others)
+                 + f": one value can come no closer than {floor:.1%} to all of them, and {window}.")
   return out
 
 

@@ -359,9 +359,19 @@ def validate_manifest(path: str, sharing: Sharing = MEASURED_MACHINE) -> dict:
   return out
 
 
+def spread_floor(measured: list[float]) -> float:
+  """The smallest largest relative error (|p - m| / m) that any one value p can have against every one of
+  ``measured``: (max - min) / (max + min), reached at p = 2 max min / (max + min). A prediction that is the
+  same for runs of the same work (repeats) cannot be closer to all of them than this."""
+  lo, hi = min(measured), max(measured)
+  return (hi - lo) / (hi + lo)
+
+
 def worst_held_out(v: dict) -> list[dict]:
-  """Per workload, deployment and predicted schedule: the largest held-out errors over its runs."""
-  out = {}
+  """Per workload, deployment and predicted schedule: the largest held-out errors over its runs, and
+  ``repeat_floor``: ``spread_floor`` of the runs' measured step times per variant, the largest over the
+  variants of the group (how close one value per variant could come to every run)."""
+  out, steps = {}, {}
   for c in v["checks"]:
     if not c["held_out"]:
       continue
@@ -371,4 +381,7 @@ def worst_held_out(v: dict) -> list[dict]:
     row["runs"] += 1
     row["max_step_error"] = max(row["max_step_error"], abs(c["held_out"]["step_error"]))
     row["max_tokens_error"] = max(row["max_tokens_error"], abs(c["held_out"]["tokens_error"]))
+    steps.setdefault(key, {}).setdefault(c["variant"], []).append(c["measured_step_s"])
+  for key, row in out.items():
+    row["repeat_floor"] = max(spread_floor(m) for m in steps[key].values())
   return list(out.values())

@@ -234,11 +234,16 @@ def validation_markdown(v: dict, tolerance: float) -> str:
   worst = fit.worst_held_out(v)
   lines = ["#### Held out: fitted on one schedule's runs, predicting the other's (cross-schedule)", "",
            "| workload | deployment | predicted | fitted on | runs | largest step-time error | largest tok/s error |"
-           " within " + f"{tolerance:.0%} (step time) |", "|" + "---|" * 8]
+           " within " + f"{tolerance:.0%} (step time) | repeats' floor |", "|" + "---|" * 9]
   for w in worst:
     lines.append(f"| {w['workload']} | {w['mode']} | {w['predicted']} | {w['fitted_on']} | {w['runs']} | "
                  f"{w['max_step_error']:.1%} | {w['max_tokens_error']:.1%} | "
-                 f"{'yes' if w['max_step_error'] <= tolerance else 'NO'} |")
+                 f"{'yes' if w['max_step_error'] <= tolerance else 'NO'} | {w['repeat_floor']:.1%} |")
+  lines += ["", "The repeats' floor: the smallest largest step-time error that any one value per variant could "
+            "have against that variant's repeats, (max - min) / (max + min) of their measured step times (the "
+            "largest over the group's variants). Where a variant's repeats make the same counts, a model that "
+            "predicts from counts gives them one value and cannot beat this floor; the floor says nothing of how "
+            "close this model comes."]
   lines += ["", "| workload | variant | repeat | fitted on | step measured / predicted | error | tok/s measured / "
             "predicted | error | idle measured / predicted |", "|" + "---|" * 9]
   for c in v["checks"]:
