@@ -399,13 +399,13 @@ CAN_AND_CANNOT = [
 def held_out_findings(validation: dict) -> list[str]:
   """Each held-out miss beyond the tolerance, with the measured step times of the same configuration's
   other repeats."""
+  from rl_fusion_jax.sim import fit  # pylint: disable=g-import-not-at-top
   out = []
   for c in validation["checks"]:
     x = c["held_out"]
     if x and abs(x["step_error"]) > _TOLERANCE:
       others = [o["measured_step_s"] for o in validation["checks"] if o["workload"] == c["workload"]
                 and o["variant"] == c["variant"] and o["repeat"] != c["repeat"]]
-      from rl_fusion_jax.sim import fit  # pylint: disable=g-import-not-at-top
       runs = [c["measured_step_s"], *others]
       floor = fit.spread_floor(runs)
       if floor <= _TOLERANCE:

@@ -260,13 +260,25 @@ def test_hf_config_reads_4x_and_5x_layouts_alike():
     models.ModelConfig.from_hf_dict({**v5, "attention_bias": True})
 
 
+FIXTURE_WRITER = os.path.join(os.path.dirname(__file__), "..", "experiments", "make_hf_fixtures.py")
+
+
+def _fixture_writer():
+  """experiments/make_hf_fixtures.py loaded by path (experiments/ is not a package); its flags are defined
+  only when it runs as a binary."""
+  spec = importlib.util.spec_from_file_location("make_hf_fixtures", FIXTURE_WRITER)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 def test_fixture_writer_refuses_before_writing_anything(tmp_path):
   """experiments/make_hf_fixtures.py: an unknown --only name, and (where torch or transformers is missing)
   the missing package, are refused before any folder is made; run from elsewhere, its default output is the
   repository's fixture folder, not a path under the working directory."""
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  binary = os.path.join(os.path.dirname(__file__), "..", "experiments", "make_hf_fixtures.py")
+  binary = FIXTURE_WRITER
   out = tmp_path / "out"
   proc = subprocess.run([sys.executable, binary, "--only=qwen2_f32,nope", f"--out_dir={out}"], cwd=tmp_path,
                         capture_output=True, text=True, timeout=120)
@@ -278,10 +290,7 @@ def test_fixture_writer_refuses_before_writing_anything(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode != 0 and "pip install -e '.[fixtures]'" in proc.stderr, proc.stderr[-2000:]
     assert not list(tmp_path.iterdir())           # nothing under the working directory
-  spec = importlib.util.spec_from_file_location("make_hf_fixtures", binary)
-  gen = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(gen)
-  assert os.path.samefile(gen.DEFAULT_OUT_DIR, fixture_paths.FIXTURES_DIR)
+  assert os.path.samefile(_fixture_writer().DEFAULT_OUT_DIR, fixture_paths.FIXTURES_DIR)
 
 
 @pytest.mark.slow
@@ -289,10 +298,7 @@ def test_fresh_transformers_models_and_export(tmp_path):
   torch = pytest.importorskip("torch", reason="needs torch to build fresh reference models")
   pytest.importorskip("transformers", reason="needs transformers to build fresh reference models")
   torch.set_num_threads(1)
-  spec = importlib.util.spec_from_file_location(
-      "make_hf_fixtures", os.path.join(os.path.dirname(__file__), "..", "experiments", "make_hf_fixtures.py"))
-  gen = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(gen)
+  gen = _fixture_writer()
   fresh = {  # sizes unlike the committed fixtures: odd head counts, 3 layers, MQA, bf16 llama3
       "qwen2_3l": dict(model_type="qwen2", vocab_size=72, hidden_size=40, intermediate_size=56,
                        num_hidden_layers=3, num_attention_heads=5, num_key_value_heads=1, rope_theta=20000.0,
