@@ -40,6 +40,9 @@ The machine is recorded when a run is made (RUN/machine.json: CPU model, family 
 load average before and after, the commit), never read from the machine that renders a report, and so are its
 CPU counters while the run is made (RUN/cpu.json, ``common.CpuMonitor``): each run's row gives the CPU seconds
 that other processes used and that the hypervisor stole inside its measured window (``interference_runs``).
+A run in whose window they took more than --max_interference (1%, as for compiles) of the machine's CPU seconds
+is disturbed: it is set aside as RUN.disturbedK and made again, up to --remeasure times (the last attempt
+is kept either way; ``disturbed_runs`` and ``remeasured_runs`` in its row say which and how often).
 ``--workload_steps`` measures a workload whose steps are short over more of them (e.g. arithmetic:192).
 
 --from_runs=results/runs/ablation.json: tabulate the runs a manifest lists (folders relative to it; the
@@ -79,6 +82,11 @@ _WARMUP_HF = flags.DEFINE_string("warmup_hf", "", "The exported warm-up policy f
                                  "(default: made in WORKDIR/warmup_hf).")
 _CACHE = flags.DEFINE_string("compilation_cache", "~/.cache/rl_fusion_jax/jax_cache",
                              "Persistent XLA compilation cache of the runs ('' disables).")
+_MAX_INTERFERENCE = flags.DEFINE_float("max_interference", 0.01, "A run is disturbed when other processes and "
+                                       "the hypervisor (steal) took more than this share of the machine's CPU "
+                                       "seconds inside its measured window (RUN/cpu.json); it is then made again.")
+_REMEASURE = flags.DEFINE_integer("remeasure", 2, "How many times a disturbed run is made again (the disturbed "
+                                  "attempts are kept beside it as RUN.disturbedK); 0: never.")
 _FROM_RUNS = flags.DEFINE_string("from_runs", "", "An ablation manifest (e.g. results/runs/ablation.json): "
                                  "tabulate the runs it lists, folders relative to it, without running anything.")
 flags.mark_flags_as_required(["workdir"])
@@ -219,11 +227,34 @@ def measure_run(workdir: str, warm: int, steps: int) -> dict:
   with open(os.path.join(workdir, "timeline.jsonl")) as f:
     made = json.loads(f.readline()).get("unix_time")
   interference = window_interference(workdir, lo, hi)
+  share = interference_share(interference)
   return out | {"compile_window_s": window_s, "compile_contaminated": contaminated, "machine": machine,
-                "made_unix_time": made, "interference": interference}
+                "made_unix_time": made, "interference": interference,
+                "disturbed": share is not None and share > _MAX_INTERFERENCE.value}
 
 
-PER_RUN = ("compile_window_s", "compile_contaminated", "machine", "made_unix_time", "interference")
+PER_RUN = ("compile_window_s", "compile_contaminated", "machine", "made_unix_time", "interference", "disturbed",
+           "remeasured")
+
+
+def interference_share(interference: dict | None) -> float | None:
+  """The share of the machine's CPU seconds that other processes and steal took in a run's window."""
+  return None if interference is None else interference["other_share"] + interference["steal_share"]
+
+
+def set_aside(workdir: str, interference: dict) -> str:
+  """Moves a disturbed run (folder and log) to the first free WORKDIR.disturbedK, so that it is made again."""
+  k = 1
+  while os.path.exists(f"{workdir}.disturbed{k}"):
+    k += 1
+  dest = f"{workdir}.disturbed{k}"
+  print(f"  disturbed: other processes {interference['other_share']:.1%} and steal {interference['steal_share']:.1%} "
+        f"of the CPU in its window (over --max_interference={_MAX_INTERFERENCE.value:.1%}): set aside as {dest}",
+        flush=True)
+  os.rename(workdir, dest)
+  if os.path.isfile(workdir + ".log"):
+    os.rename(workdir + ".log", dest + ".log")
+  return dest
 
 
 def window_interference(workdir: str, lo: float, hi: float) -> dict | None:
@@ -254,6 +285,8 @@ def combine(runs: list[dict]) -> dict:
   out["compile_window_s_runs"] = [r["compile_window_s"] for r in runs]
   out["contaminated_runs"] = [r["compile_contaminated"] for r in runs]
   out["interference_runs"] = [r.get("interference") for r in runs]
+  out["disturbed_runs"] = [r.get("disturbed", False) for r in runs]
+  out["remeasured_runs"] = [r.get("remeasured", 0) for r in runs]
   out["runs_used"], out["all_contaminated"] = len(used), not clean
   return out
 
@@ -368,10 +401,15 @@ def main(argv):
       for w in workloads:
         for v in order:
           workdir = os.path.join(root, "runs", f"r{rep}_{w}_{v}")
-          if not os.path.isfile(os.path.join(workdir, "summary.json")):
-            print(f"repeat {rep + 1}/{repeats}: {w} {v} -> {workdir}", flush=True)
-            run_variant(w, v, workdir, warmup_hf, warm, steps[w])
-          runs[w][v].append(measure_run(workdir, warm, steps[w]))
+          for attempt in range(_REMEASURE.value + 1):
+            if not os.path.isfile(os.path.join(workdir, "summary.json")):
+              print(f"repeat {rep + 1}/{repeats}: {w} {v} -> {workdir}", flush=True)
+              run_variant(w, v, workdir, warmup_hf, warm, steps[w])
+            measured = measure_run(workdir, warm, steps[w])
+            if not measured["disturbed"] or attempt == _REMEASURE.value:
+              break
+            set_aside(workdir, measured["interference"])
+          runs[w][v].append(measured | {"remeasured": attempt})
           workdirs[w].setdefault(v, []).append(workdir)
     command = " ".join(["python experiments/ablation_main.py"] + sys.argv[1:])
     runs_seconds = sum(common.run_wall_seconds(d + ".log") for by in workdirs.values()
