@@ -54,6 +54,7 @@ which experiments/simulate_main.py fits and validates against), WORKDIR/table1.m
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import re
@@ -86,7 +87,7 @@ _MAX_INTERFERENCE = flags.DEFINE_float("max_interference", 0.01, "A run is distu
                                        "the hypervisor (steal) took more than this share of the machine's CPU "
                                        "seconds inside its measured window (RUN/cpu.json); it is then made again.")
 _REMEASURE = flags.DEFINE_integer("remeasure", 2, "How many times a disturbed run is made again (the disturbed "
-                                  "attempts are kept beside it as RUN.disturbedK); 0: never.")
+                                  "attempts are kept beside it as RUN.disturbedK); 0: never (--quick: never).")
 _FROM_RUNS = flags.DEFINE_string("from_runs", "", "An ablation manifest (e.g. results/runs/ablation.json): "
                                  "tabulate the runs it lists, folders relative to it, without running anything.")
 flags.mark_flags_as_required(["workdir"])
@@ -145,6 +146,7 @@ _COMPILE_LINE = re.compile(r"^[IWEF](\d{2})(\d{2}) (\d{2}):(\d{2}):(\d{2})\.(\d{
                            r"([0-9.eE+-]+) sec")
 _KINDS = {"tracing": "trace", "jaxpr to MLIR module conversion": "lower", "XLA compilation": "compile"}
 COMPILE_TOLERANCE = 0.01   # of the measured window, above which a run counts as compile-contaminated
+SET_ASIDE = "set_aside.json"   # in a run folder: the interference of its attempts set aside before it
 
 
 def _session_unix(path: str) -> float:
@@ -228,8 +230,12 @@ def measure_run(workdir: str, warm: int, steps: int) -> dict:
     made = json.loads(f.readline()).get("unix_time")
   interference = window_interference(workdir, lo, hi)
   share = interference_share(interference)
+  remeasured = 0
+  if os.path.isfile(os.path.join(workdir, SET_ASIDE)):
+    with open(os.path.join(workdir, SET_ASIDE)) as f:
+      remeasured = len(json.load(f)["interference"])
   return out | {"compile_window_s": window_s, "compile_contaminated": contaminated, "machine": machine,
-                "made_unix_time": made, "interference": interference,
+                "made_unix_time": made, "interference": interference, "remeasured": remeasured,
                 "disturbed": share is not None and share > _MAX_INTERFERENCE.value}
 
 
@@ -249,12 +255,31 @@ def set_aside(workdir: str, interference: dict) -> str:
     k += 1
   dest = f"{workdir}.disturbed{k}"
   print(f"  disturbed: other processes {interference['other_share']:.1%} and steal {interference['steal_share']:.1%} "
-        f"of the CPU in its window (over --max_interference={_MAX_INTERFERENCE.value:.1%}): set aside as {dest}",
-        flush=True)
+        f"of the CPU in its window: set aside as {dest}", flush=True)
   os.rename(workdir, dest)
   if os.path.isfile(workdir + ".log"):
     os.rename(workdir + ".log", dest + ".log")
   return dest
+
+
+def measure_until_undisturbed(workdir: str, make, measure, attempts: int) -> dict:
+  """``measure()`` of the run in ``workdir``, made first by ``make()`` unless it is there (summary.json); a
+  disturbed one is set aside (``set_aside``) and made again, at most ``attempts`` times; the last attempt
+  is kept either way. Returns its measurement with ``remeasured``: how many attempts were set aside."""
+  attempt, set_aside_runs = 0, []
+  while True:
+    if not os.path.isfile(os.path.join(workdir, "summary.json")):
+      make()
+    measured = measure()
+    if not measured["disturbed"] or attempt >= attempts:
+      if set_aside_runs:   # beside the run, so that --from_runs and an export still know
+        with open(os.path.join(workdir, SET_ASIDE), "w") as f:
+          json.dump({"source": "ablation_main.py: earlier attempts of this run, set aside as disturbed",
+                     "interference": set_aside_runs}, f, indent=1)
+      return measured | {"remeasured": attempt}   # = len(set_aside_runs)
+    set_aside(workdir, measured["interference"])
+    set_aside_runs.append(measured["interference"])
+    attempt += 1
 
 
 def window_interference(workdir: str, lo: float, hi: float) -> dict | None:
@@ -373,6 +398,7 @@ def main(argv):
     steps = {w: fit.steps_of(manifest, w) for w in workloads}
     runs = {w: {v: [measure_run(d, warm, steps[w]) for d in workdirs[w][v]] for v in variants} for w in workloads}
     command, runs_seconds = manifest.get("command"), manifest.get("runs_seconds")
+    max_interference = manifest.get("max_interference")
   else:
     quick = _QUICK.value
     workloads = ["longtail"] if quick else list(_WORKLOADS.value)
@@ -380,6 +406,9 @@ def main(argv):
     unknown = [v for v in variants if v not in VARIANTS and v not in EXTRA_VARIANTS]
     if unknown:
       raise app.UsageError(f"--variants: unknown {unknown}; known: {list(VARIANTS) + list(EXTRA_VARIANTS)}")
+    max_interference = _MAX_INTERFERENCE.value
+    if _REMEASURE.value < 0:
+      raise app.UsageError(f"--remeasure: must be >= 0, got {_REMEASURE.value}")
     warm, repeats = (0, 1) if quick else (_WARM.value, _REPEATS.value)
     for w in workloads:
       workload_flags(w, "")          # unknown names fail before anything runs
@@ -401,15 +430,13 @@ def main(argv):
       for w in workloads:
         for v in order:
           workdir = os.path.join(root, "runs", f"r{rep}_{w}_{v}")
-          for attempt in range(_REMEASURE.value + 1):
-            if not os.path.isfile(os.path.join(workdir, "summary.json")):
-              print(f"repeat {rep + 1}/{repeats}: {w} {v} -> {workdir}", flush=True)
-              run_variant(w, v, workdir, warmup_hf, warm, steps[w])
-            measured = measure_run(workdir, warm, steps[w])
-            if not measured["disturbed"] or attempt == _REMEASURE.value:
-              break
-            set_aside(workdir, measured["interference"])
-          runs[w][v].append(measured | {"remeasured": attempt})
+
+          def make(w=w, v=v, workdir=workdir, rep=rep):
+            print(f"repeat {rep + 1}/{repeats}: {w} {v} -> {workdir}", flush=True)
+            run_variant(w, v, workdir, warmup_hf, warm, steps[w])
+
+          measure = functools.partial(measure_run, workdir, warm, steps[w])
+          runs[w][v].append(measure_until_undisturbed(workdir, make, measure, 0 if quick else _REMEASURE.value))
           workdirs[w].setdefault(v, []).append(workdir)
     command = " ".join(["python experiments/ablation_main.py"] + sys.argv[1:])
     runs_seconds = sum(common.run_wall_seconds(d + ".log") for by in workdirs.values()
@@ -432,7 +459,7 @@ def main(argv):
     json.dump({"warm_steps": warm, "steps": steps if len(set(steps.values())) > 1 else next(iter(steps.values())),
                "repeats": repeats, "rows": rows, "workdirs": workdirs,
                "baseline": BASELINE, "seconds": time.perf_counter() - t0, "runs_seconds": runs_seconds,
-               "command": command, "from_runs": _FROM_RUNS.value or None,
+               "command": command, "from_runs": _FROM_RUNS.value or None, "max_interference": max_interference,
                # Recorded when each run was made (None where it was not), not read from this machine.
                "machines": [r["machine"] for r in per_run],
                "made_unix_time": [min(made), max(made)] if made else None}, f, indent=1)

@@ -96,7 +96,8 @@ def _copy(src: str, figures: str, rel_base: str) -> str:
 
 KEPT_METRICS = ("step", "train_tokens", "train_s", "generate_s", "step_s", "response_len_mean",
                 "response_len_max", "truncated_frac")
-RUN_RECORDS = ("machine.json", "compiles.json", "cpu.json")   # written by ablation_main.py next to each run
+# Written by ablation_main.py next to each run.
+RUN_RECORDS = ("machine.json", "compiles.json", "cpu.json", "set_aside.json")
 
 
 def export_runs(ablation_json: str, dest: str) -> str:
@@ -126,7 +127,7 @@ def export_runs(ablation_json: str, dest: str) -> str:
               dst.write(json.dumps(keep, sort_keys=True) + "\n")
         workdirs.setdefault(w, {}).setdefault(v, []).append(name)
   manifest = ({k: ablation[k] for k in ("warm_steps", "steps", "repeats", "baseline")}
-              | {k: ablation.get(k) for k in ("command", "runs_seconds")} | {"workdirs": workdirs})
+              | {k: ablation.get(k) for k in ("command", "runs_seconds", "max_interference")} | {"workdirs": workdirs})
   with open(os.path.join(dest, "ablation.json"), "w") as f:
     json.dump(manifest, f, indent=1)
   return os.path.join(dest, "ablation.json")
@@ -242,9 +243,10 @@ def compile_findings(rows: dict) -> list[str]:
   return out
 
 
-def interference_findings(rows: dict) -> list[str]:
+def interference_findings(rows: dict, limit: float | None = None) -> list[str]:
   """What other processes and the hypervisor (steal) took of the machine's CPU inside the measured windows
-  (RUN/cpu.json, sampled while each run was made; nothing for runs made without it)."""
+  (RUN/cpu.json, sampled while each run was made; nothing for runs made without it), and the runs made
+  again because it was over ``limit`` (the manifest's ``max_interference``)."""
   seen = [(f"{w} {v} repeat {i}", x) for w, by in rows.items() for v, r in by.items()
           for i, x in enumerate(r.get("interference_runs") or []) if x is not None]
   if not seen:
@@ -254,6 +256,16 @@ def interference_findings(rows: dict) -> list[str]:
   line = (f"* Other processes and steal inside the measured windows ({len(seen)} runs sampled): at most "
           f"{share(worst):.1%} of the machine's CPU seconds ({name}: other processes {worst['other_share']:.1%}, "
           f"steal {worst['steal_share']:.1%}).")
+  remade = [(f"{w} {v} repeat {i}", k) for w, by in rows.items() for v, r in by.items()
+            for i, k in enumerate(r.get("remeasured_runs") or []) if k]
+  still = [f"{w} {v} repeat {i}" for w, by in rows.items() for v, r in by.items()
+           for i, d in enumerate(r.get("disturbed_runs") or []) if d]
+  if remade:
+    line += (f" {len(remade)} run{'s' if len(remade) != 1 else ''} had over {limit:.0%} taken in their window and "
+             f"{'were' if len(remade) != 1 else 'was'} made again (`ablation_main.py --max_interference`): "
+             + ", ".join(f"{name} ({k} attempt{'s' if k != 1 else ''} set aside)" for name, k in remade) + ".")
+  if still:
+    line += f" Still over {limit:.0%} after the last attempt, kept: " + ", ".join(still) + "."
   if share(worst) < 0.02:
     line += " The spread between repeats is not load that this machine's own counters can see."
   return [line]
@@ -864,7 +876,7 @@ def main(argv):
       "",
       *table1_findings(ablation["rows"], ablation["baseline"]),
       *compile_findings(ablation["rows"]),
-      *interference_findings(ablation["rows"]),
+      *interference_findings(ablation["rows"], ablation.get("max_interference")),
       "* The reference system reports RL Fusion + StaleSync at x2.5 its separated baseline and x1.4 RL Fusion "
       "(accelerators at scale: not comparable with these CPU figures).",
       "",

@@ -206,6 +206,52 @@ out["n"] = len(rows)
   assert out["run_cpu"] >= 1.1 and out["times_ascend"] and out["n"] >= 3
 
 
+def test_a_disturbed_run_is_set_aside_and_made_again_at_most_remeasure_times(tmp_path):
+  # A fake run maker and measurement: the first two attempts of run A are disturbed, the third not; run B is
+  # disturbed every time. With 2 re-measurements A keeps its third attempt (2 set aside), B its third
+  # (disturbed still); with 0, B is made once and kept.
+  code = rf"""
+import json, os
+root = {str(tmp_path)!r}
+def case(name, disturbed, attempts):
+  workdir = os.path.join(root, name)
+  made = []
+  def make():
+    os.makedirs(workdir)
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump({{"attempt": len(made)}}, f)
+    made.append(1)
+  def measure():
+    with open(os.path.join(workdir, "summary.json")) as f:
+      k = json.load(f)["attempt"]
+    return {{"attempt": k, "disturbed": disturbed(k), "interference": {{"other_share": 0.0, "steal_share": 0.05}}}}
+  got = m.measure_until_undisturbed(workdir, make, measure, attempts)
+  return {{"got": got, "made": len(made), "aside": sorted(d for d in os.listdir(root) if d.startswith(name + "."))}}
+out = {{"a": case("a", lambda k: k < 2, 2), "b": case("b", lambda k: True, 2), "c": case("c", lambda k: True, 0)}}
+"""
+  out = _call("ablation_main", code)
+  a, b, c = out["a"], out["b"], out["c"]
+  assert (a["got"]["attempt"], a["got"]["remeasured"], a["got"]["disturbed"], a["made"]) == (2, 2, False, 3)
+  assert a["aside"] == ["a.disturbed1", "a.disturbed2"]
+  assert (b["got"]["attempt"], b["got"]["remeasured"], b["got"]["disturbed"], b["made"]) == (2, 2, True, 3)
+  assert (c["got"]["remeasured"], c["made"], c["aside"]) == (0, 1, [])
+  # The report names the runs made again and those kept disturbed, at the manifest's limit.
+  code = r"""
+x = lambda other, steal: {"other_share": other, "steal_share": steal}
+rows = {"longtail": {"colocated_sync": {"interference_runs": [x(0.0, 0.004), x(0.001, 0.002)],
+                                        "remeasured_runs": [0, 2], "disturbed_runs": [False, False]},
+                     "separated_sync": {"interference_runs": [x(0.01, 0.02)], "remeasured_runs": [1],
+                                        "disturbed_runs": [True]}}}
+out = m.interference_findings(rows, 0.01)
+"""
+  (line,) = _call("report_main", code)
+  assert "at most 3.0% of the machine's CPU seconds (longtail separated_sync repeat 0" in line
+  assert ("2 runs had over 1% taken in their window and were made again (`ablation_main.py --max_interference`): "
+          "longtail colocated_sync repeat 1 (2 attempts set aside), longtail separated_sync repeat 0 (1 attempt "
+          "set aside).") in line
+  assert "Still over 1% after the last attempt, kept: longtail separated_sync repeat 0." in line
+
+
 def test_steps_per_workload_in_the_manifest_and_a_bad_workload_steps_entry_is_refused(tmp_path):
   # A manifest may give the measured steps per workload: the committed one (16 steps each) written that way
   # loads the same windows as written with one count.
