@@ -6,7 +6,8 @@ For each layer count, the config's model with `num_layers` replaced (and `scan_u
 --scan_unroll; 0: every layer unrolled) is lowered and compiled ahead of time as
 the loop's RL update (`train.step.make_rl_step`: forward, backward, AdamW, one micro-batch) on one device
 at the config's batch shape, from abstract arguments: nothing runs. Prints one JSON line per depth (median
-lower and compile seconds over --repeats fresh compiles; no persistent compilation cache). Only APIs that
+lower and compile seconds over --repeats fresh compiles; no persistent compilation cache). --concurrent=N times
+N such compiles (distinct row widths) one after another against N threads at once. Only APIs that
 also existed before the layers were scanned are used, so the same binary times an older checkout
 (`PYTHONPATH=OLD_CHECKOUT python experiments/benchmark_compile_main.py ...`).
 """
@@ -22,10 +23,13 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config fil
 _LAYERS = flags.DEFINE_list("layers", ["4", "24"], "Layer counts to compile.")
 _UNROLL = flags.DEFINE_integer("scan_unroll", 1, "model.scan_unroll (0: num_layers, every layer unrolled).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Fresh compiles per depth (medians reported).")
+_CONCURRENT = flags.DEFINE_integer("concurrent", 0, "N > 1: instead, compile N RL updates of distinct row widths "
+                                   "one after another and in N threads at once, alternating --repeats rounds each.")
 
 
-def compile_seconds(exp, layers: int, scan_unroll: int) -> dict:
-  """(lower s, compile s) of the RL update at `layers` layers, each a fresh trace and compile."""
+def _update(exp, layers: int, scan_unroll: int):
+  """(fields, lower(width)): the RL update at ``layers`` layers on one device, and a function that traces and
+  lowers a fresh copy of it at a row width from abstract arguments."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -46,24 +50,66 @@ def compile_seconds(exp, layers: int, scan_unroll: int) -> dict:
                                                                       mesh, TRAIN_RULES), mesh)
   state = jax.eval_shape(lambda p: state_lib.TrainState(jnp.int32(0), p, tx.init(p), jnp.int32(0)), abstract)
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
-  rows, width = exp.rollout.batch_size, exp.rollout.seq_len
+  rows = exp.rollout.batch_size
   dtypes = dict(tokens_bt=jnp.int32, version_bt=jnp.int32)
-  batch = TrainBatch(**{f.name: jax.ShapeDtypeStruct((rows, width), dtypes.get(f.name, jnp.float32))
-                        for f in dataclasses.fields(TrainBatch)})
-  batch = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), batch,
-                       step_lib.batch_shardings(mesh))
+
+  def lower(width: int):
+    batch = TrainBatch(**{f.name: jax.ShapeDtypeStruct((rows, width), dtypes.get(f.name, jnp.float32))
+                          for f in dataclasses.fields(TrainBatch)})
+    batch = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), batch,
+                         step_lib.batch_shardings(mesh))
+    step = step_lib.make_rl_step(cfg, exp.algo, exp.rollout.temperature, tx, 1, mesh, width, shardings)
+    return step.lower(state, batch)
+
+  return fields, lower
+
+
+def compile_seconds(exp, layers: int, scan_unroll: int) -> dict:
+  """(lower s, compile s) of the RL update at `layers` layers, each a fresh trace and compile."""
+  fields, lower_at = _update(exp, layers, scan_unroll)
+  width = exp.rollout.seq_len
   lower, comp = [], []
   for _ in range(_REPEATS.value):
-    step = step_lib.make_rl_step(cfg, exp.algo, exp.rollout.temperature, tx, 1, mesh, width, shardings)
     t0 = time.perf_counter()
-    lowered = step.lower(state, batch)
+    lowered = lower_at(width)
     t1 = time.perf_counter()
     lowered.compile()
     t2 = time.perf_counter()
     lower.append(t1 - t0)
     comp.append(t2 - t1)
-  return {"layers": layers, "scan_unroll": fields.get("scan_unroll"), "rows": rows, "width": width,
-          "lower_s": round(statistics.median(lower), 3), "compile_s": round(statistics.median(comp), 3)}
+  return {"layers": layers, "scan_unroll": fields.get("scan_unroll"), "rows": exp.rollout.batch_size,
+          "width": width, "lower_s": round(statistics.median(lower), 3), "compile_s": round(statistics.median(comp), 3)}
+
+
+def concurrent_seconds(exp, layers: int, scan_unroll: int, count: int) -> dict:
+  """Wall seconds of compiling ``count`` RL updates one after another and all at once in ``count`` threads
+  (XLA compiles outside the GIL), alternating, --repeats rounds each; medians. Every compile is of a program
+  not compiled before in the process (an identical one would be found in JAX's caches): round r takes the
+  row widths seq_len - 4 (count r + i), i < count, each lowered first, outside the timing."""
+  import threading  # pylint: disable=g-import-not-at-top
+  _, lower_at = _update(exp, layers, scan_unroll)
+  times = {"one_after_another_s": [], "threads_s": []}
+  widths = []
+  for r in range(2 * _REPEATS.value):
+    widths.append([exp.rollout.seq_len - 4 * (count * r + i) for i in range(count)])
+    if min(widths[-1]) < 2:
+      raise app.UsageError(f"--concurrent={count} x 2 --repeats={_REPEATS.value} programs need row widths down "
+                           f"to {min(widths[-1])}; fewer programs or rounds")
+    lowered = [lower_at(w) for w in widths[-1]]
+    t0 = time.perf_counter()
+    if r % 2 == 0:
+      for x in lowered:
+        x.compile()
+    else:
+      threads = [threading.Thread(target=x.compile) for x in lowered]
+      for t in threads:
+        t.start()
+      for t in threads:
+        t.join()
+    times["threads_s" if r % 2 else "one_after_another_s"].append(time.perf_counter() - t0)
+  return {"layers": layers, "programs": count, "widths_per_round": widths,
+          **{k: round(statistics.median(v), 3) for k, v in times.items()},
+          "rounds": {k: [round(x, 2) for x in v] for k, v in times.items()}}
 
 
 def main(argv):
@@ -71,7 +117,10 @@ def main(argv):
   from rl_fusion_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   exp = config_lib.experiment_from_dict(_CONFIG.value)
   for layers in _LAYERS.value:
-    print(json.dumps(compile_seconds(exp, int(layers), _UNROLL.value)), flush=True)
+    if _CONCURRENT.value > 1:
+      print(json.dumps(concurrent_seconds(exp, int(layers), _UNROLL.value, _CONCURRENT.value)), flush=True)
+    else:
+      print(json.dumps(compile_seconds(exp, int(layers), _UNROLL.value)), flush=True)
 
 
 if __name__ == "__main__":
