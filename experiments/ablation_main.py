@@ -208,9 +208,11 @@ def _covered(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
   return total
 
 
-def measure_run(workdir: str, warm: int, steps: int) -> dict:
+def measure_run(workdir: str, warm: int, steps: int, max_interference: float | None = None) -> dict:
   """``measure.summarize`` of the run, with its compile seconds in the window (None: not recorded), whether
-  it is compile-contaminated, and its machine record (None: not recorded)."""
+  it is compile-contaminated, its machine record (None: not recorded), its CPU interference, whether that
+  is over ``max_interference`` (``disturbed``; never with None) and how many attempts were set aside before
+  it (RUN/set_aside.json)."""
   from rl_fusion_jax.sim import measure  # pylint: disable=g-import-not-at-top
   run = measure.load(workdir, warm, steps)
   out = measure.summarize(run)
@@ -229,23 +231,18 @@ def measure_run(workdir: str, warm: int, steps: int) -> dict:
   with open(os.path.join(workdir, "timeline.jsonl")) as f:
     made = json.loads(f.readline()).get("unix_time")
   interference = window_interference(workdir, lo, hi)
-  share = interference_share(interference)
+  share = common.interference_share(interference)
   remeasured = 0
   if os.path.isfile(os.path.join(workdir, SET_ASIDE)):
     with open(os.path.join(workdir, SET_ASIDE)) as f:
       remeasured = len(json.load(f)["interference"])
   return out | {"compile_window_s": window_s, "compile_contaminated": contaminated, "machine": machine,
                 "made_unix_time": made, "interference": interference, "remeasured": remeasured,
-                "disturbed": share is not None and share > _MAX_INTERFERENCE.value}
+                "disturbed": share is not None and max_interference is not None and share > max_interference}
 
 
 PER_RUN = ("compile_window_s", "compile_contaminated", "machine", "made_unix_time", "interference", "disturbed",
            "remeasured")
-
-
-def interference_share(interference: dict | None) -> float | None:
-  """The share of the machine's CPU seconds that other processes and steal took in a run's window."""
-  return None if interference is None else interference["other_share"] + interference["steal_share"]
 
 
 def set_aside(workdir: str, interference: dict) -> str:
@@ -266,20 +263,19 @@ def measure_until_undisturbed(workdir: str, make, measure, attempts: int) -> dic
   """``measure()`` of the run in ``workdir``, made first by ``make()`` unless it is there (summary.json); a
   disturbed one is set aside (``set_aside``) and made again, at most ``attempts`` times; the last attempt
   is kept either way. Returns its measurement with ``remeasured``: how many attempts were set aside."""
-  attempt, set_aside_runs = 0, []
+  set_aside_runs = []
   while True:
     if not os.path.isfile(os.path.join(workdir, "summary.json")):
       make()
     measured = measure()
-    if not measured["disturbed"] or attempt >= attempts:
+    if not measured["disturbed"] or len(set_aside_runs) >= attempts:
       if set_aside_runs:   # beside the run, so that --from_runs and an export still know
         with open(os.path.join(workdir, SET_ASIDE), "w") as f:
           json.dump({"source": "ablation_main.py: earlier attempts of this run, set aside as disturbed",
                      "interference": set_aside_runs}, f, indent=1)
-      return measured | {"remeasured": attempt}   # = len(set_aside_runs)
+      return measured | {"remeasured": len(set_aside_runs)}
     set_aside(workdir, measured["interference"])
     set_aside_runs.append(measured["interference"])
-    attempt += 1
 
 
 def window_interference(workdir: str, lo: float, hi: float) -> dict | None:
@@ -396,9 +392,10 @@ def main(argv):
     workloads, variants = list(workdirs), list(next(iter(workdirs.values())))
     from rl_fusion_jax.sim import fit  # pylint: disable=g-import-not-at-top
     steps = {w: fit.steps_of(manifest, w) for w in workloads}
-    runs = {w: {v: [measure_run(d, warm, steps[w]) for d in workdirs[w][v]] for v in variants} for w in workloads}
     command, runs_seconds = manifest.get("command"), manifest.get("runs_seconds")
-    max_interference = manifest.get("max_interference")
+    max_interference = manifest.get("max_interference")   # None (runs made before the rule): none disturbed
+    runs = {w: {v: [measure_run(d, warm, steps[w], max_interference) for d in workdirs[w][v]] for v in variants}
+            for w in workloads}
   else:
     quick = _QUICK.value
     workloads = ["longtail"] if quick else list(_WORKLOADS.value)
@@ -435,7 +432,7 @@ def main(argv):
             print(f"repeat {rep + 1}/{repeats}: {w} {v} -> {workdir}", flush=True)
             run_variant(w, v, workdir, warmup_hf, warm, steps[w])
 
-          measure = functools.partial(measure_run, workdir, warm, steps[w])
+          measure = functools.partial(measure_run, workdir, warm, steps[w], max_interference)
           runs[w][v].append(measure_until_undisturbed(workdir, make, measure, 0 if quick else _REMEASURE.value))
           workdirs[w].setdefault(v, []).append(workdir)
     command = " ".join(["python experiments/ablation_main.py"] + sys.argv[1:])

@@ -258,6 +258,11 @@ def cpu_interference(rows: list[list[float]], cores: int, lo: float, hi: float) 
           "other_share": round(other / (cores * span), 4), "steal_share": round(steal / (cores * span), 4)}
 
 
+def interference_share(interference: dict | None) -> float | None:
+  """``cpu_interference``'s other processes plus steal, as one share of the window's CPU seconds (None: none)."""
+  return None if interference is None else interference["other_share"] + interference["steal_share"]
+
+
 # --quick runs of the report's parts: the main job's model at one layer (a quarter of its depth) and half its
 # width (compiles faster).
 QUICK_MODEL = ("--config.model.num_layers=1", "--config.model.scan_unroll=1", "--config.model.hidden_size=64",

@@ -251,7 +251,7 @@ def interference_findings(rows: dict, limit: float | None = None) -> list[str]:
           for i, x in enumerate(r.get("interference_runs") or []) if x is not None]
   if not seen:
     return []
-  share = lambda x: x["other_share"] + x["steal_share"]
+  share = common.interference_share
   name, worst = max(seen, key=lambda item: share(item[1]))
   line = (f"* Other processes and steal inside the measured windows ({len(seen)} runs sampled): at most "
           f"{share(worst):.1%} of the machine's CPU seconds ({name}: other processes {worst['other_share']:.1%}, "
