@@ -19,9 +19,9 @@ shapes, random weights), also one decode step (``kv_cache.forward_with_cache``, 
       --decode=float32:float32:1,bf16_matmul:bfloat16:1,bfloat16:bfloat16:1
 
 Every decode step here donates its cache and takes the one the previous call returned, as the engine's decode
-loop holds it (a step that does not would copy the whole cache every call). ``--decode_parts`` times the float32 step at
-SmolLM2-135M's shapes beside the parts of it that read weights
-(the 30 MLPs, the attention projections, the tied lm head), each alone, all called in turn; and the tied
+loop holds it (a step that does not would copy the whole cache every call). ``--decode_parts`` times the float32
+step at SmolLM2-135M's shapes beside the parts of it that read weights (the 30 MLPs, the attention
+projections, the tied lm head), each alone, all called in turn; and the tied
 head under ``bf16_matmul`` over a bfloat16 embedding written as ``mixed_matmul(x, embedding.T)`` and as
 ``mixed_matmul_nt(x, embedding)``.
 """
@@ -97,10 +97,10 @@ def main(argv):
 
 
 def _donated_step(jax, kv_cache, cfg, cache):
-  """(call(params, tokens, positions) -> logits, the jitted step): one cached decode step with the cache
-  donated and carried from call to call, as the engine's decode loop holds it (a step that does not donate
-  it copies the whole cache into a new buffer every call: 59 MB at SmolLM2's shapes, batch 8, 160
-  positions, float32)."""
+  """(call(params, tokens, positions) -> logits, lower(params, tokens, positions)): one cached decode step
+  with the cache donated and carried from call to call, as the engine's decode loop holds it (a step that
+  does not donate it copies the whole cache into a new buffer every call: 59 MB at SmolLM2's shapes, batch
+  8, 160 positions, float32)."""
   step = jax.jit(lambda p, c, t, q: kv_cache.forward_with_cache(cfg, p, t[:, None], q[:, None], c),
                  donate_argnums=(1,))
   held = {"cache": cache}
