@@ -110,17 +110,24 @@ def spinners(count: int):
 def model_flops(cfg, response_len_mean: float) -> dict[str, float]:
   """Matmul FLOPs per step (2 per multiply-add; training = 3x forward), attention excluded.
 
-  Generation runs every prompt position once (prefill) and one position per generated token; the
-  update runs forward + backward over all B x (T - 1) positions.
+  Generation runs every prompt position once (prefill) and one position per generated token, each
+  through the layers and the lm head. The padded update runs forward + backward over B x (T - 1)
+  positions through the layers (with ``optim.shared_prompts``, T - 1 + (group - 1) x (max_new_tokens - 1)
+  positions a group) and, counted as before that option, the lm head over them all too (an upper bound:
+  the update runs the head on a ``rollout.max_new_tokens`` window per row).
   """
   m, r = cfg.model.config, cfg.rollout
   n_kv, hd = m.num_kv_heads, m.head_dim
   per_layer = (m.hidden_size * hd * (2 * m.num_heads + 2 * n_kv)
                + 3 * m.hidden_size * m.intermediate_size)
-  matmul_params = m.num_layers * per_layer + m.hidden_size * m.vocab_size
+  layers, head = m.num_layers * per_layer, m.hidden_size * m.vocab_size
   gen_tokens = r.batch_size * (r.max_prompt_len + response_len_mean)
   train_tokens = r.batch_size * (r.seq_len - 1)
-  return {"generate": 2 * matmul_params * gen_tokens, "train": 6 * matmul_params * train_tokens}
+  layer_tokens = train_tokens
+  if cfg.optim.shared_prompts:
+    window = min(r.max_new_tokens, r.seq_len - 1)
+    layer_tokens = r.num_prompts * (r.seq_len - 1 + (r.group_size - 1) * (window - 1))
+  return {"generate": 2 * (layers + head) * gen_tokens, "train": 6 * (layers * layer_tokens + head * train_tokens)}
 
 
 class CompileEvents:

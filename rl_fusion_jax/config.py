@@ -481,6 +481,12 @@ class OptimConfig:
   # and a compile each time a run first meets a width (seconds each, mid-run). The packed update
   # (pack_rows) drops padding positions either way.
   width_buckets: bool = False
+  # The padded update runs a group's shared prompt once: each group of rollout.group_size rows becomes one
+  # sequence (its first row, then the other rows' responses, which attend to that row's prompt), so the
+  # decoder runs T - 1 + (group_size - 1) * (max_new_tokens - 1) positions a group instead of
+  # group_size * (T - 1); log-probs and gradients equal the unshared update's up to float32 rounding
+  # (train/logprobs.py::shared_prompt_logprobs). Dense policies, the padded update, algo.mini_batches=1.
+  shared_prompts: bool = False
   # The packed update at one row count per run (the largest row bucket, which holds any batch) instead of
   # a row bucket per batch: the update and the reference forward compile once, and their micro-batches
   # of padding rows only are skipped at run time, so their compute follows the rows used, rounded up to
@@ -595,6 +601,16 @@ class ExperimentConfig:
              "fixes the packed update's row count; set optim.pack_rows=True")
     _require(not self.optim.fixed_row_count or self.mesh.stage == 1, "optim.fixed_row_count",
              f"skips micro-batches of padding in the update without pipeline stages; mesh.stage={self.mesh.stage}")
+    if self.optim.shared_prompts:
+      _require(not self.optim.pack_rows, "optim.shared_prompts",
+               "runs in the padded update; the packed update (optim.pack_rows) has no groups to share")
+      _require(r.group_size >= 2, "optim.shared_prompts", f"needs groups: rollout.group_size={r.group_size}")
+      _require(not self.model.config.num_experts, "optim.shared_prompts",
+               "is for dense policies: an MoE router's losses count every position it routes")
+      _require(a.mini_batches == 1, "optim.shared_prompts",
+               f"needs whole groups in every update; algo.mini_batches={a.mini_batches} draws samples apart")
+      _require(r.batch_size // self.optim.micro_batches % r.group_size == 0, "optim.micro_batches",
+               f"with optim.shared_prompts each micro-batch holds whole groups of {r.group_size}")
     _require(not (self.optim.pack_rows and self.algo.policy_loss == "tis_seq"), "optim.pack_rows",
              "the sequence-level loss 'tis_seq' sums over a row and cannot take packed rows")
     _require(r.batch_size % self.optim.micro_batches == 0, "optim.micro_batches",
@@ -655,6 +671,9 @@ class ExperimentConfig:
     _require(per_micro % batch_shards == 0, "rollout.num_prompts",
              f"the micro-batch of {per_micro} sequences (num_prompts * group_size / micro_batches) "
              f"must divide over data * fsdp = {batch_shards} devices")
+    _require(not self.optim.shared_prompts or per_micro // batch_shards % self.rollout.group_size == 0,
+             "optim.shared_prompts", f"the micro-batch's {per_micro // batch_shards} rows per device (data * "
+             f"fsdp = {batch_shards}) must hold whole groups of rollout.group_size={self.rollout.group_size}")
     tokens = self.optim.tokens_per_micro_batch
     _require(self.optim.micro_batches > 1 or not tokens or tokens >= self.rollout.seq_len,
              "optim.tokens_per_micro_batch",

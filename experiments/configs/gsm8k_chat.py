@@ -50,7 +50,8 @@ def get_config(arg: str = ""):
   c.task.kwargs = dict(path=SAMPLE)    # replaces arithmetic's (update() would merge them)
   c.task.update(name="gsm8k", tokenizer="", prompt_format="chat", eval_problems=64, eval_samples=0, pass_k=1)
   c.rollout.update(max_prompt_len=384, max_new_tokens=512, chunk_steps=32)
-  c.optim.update(learning_rate=1e-6, warmup_steps=10)
+  # A group's 4 samples share their prompt: the update runs it once per group (optim.shared_prompts).
+  c.optim.update(learning_rate=1e-6, warmup_steps=10, shared_prompts=True)
   c.warmup.steps = 0
   c.run.update(steps=200, checkpoint_every=50, progress_every_s=30.0, eval_every=50)
   if arg == "cpu":

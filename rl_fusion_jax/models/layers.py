@@ -8,6 +8,7 @@ over heads is a rule-table entry. Every parameter carries logical axis names as 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -118,15 +119,51 @@ def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq_h) -> jax.Ar
   return jnp.concatenate([x1 * cos_bt1h - x2 * sin_bt1h, x2 * cos_bt1h + x1 * sin_bt1h], axis=-1)
 
 
-def attend(q_btnh: jax.Array, k: jax.Array, v: jax.Array, mask_bts: jax.Array,
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["prompt_end_g"],
+                   meta_fields=["width", "group", "tail"])
+@dataclasses.dataclass(frozen=True)
+class SharedPrompt:
+  """The attention of a group's sequence that shares one prompt (``train/logprobs.py::shared_prompt_logprobs``),
+  passed to ``attend`` in place of a mask: positions ``0 .. width - 1`` are the group's first row, attending
+  causally to itself; then ``group - 1`` parts of ``tail`` positions, the other rows' responses, each
+  attending to the first row's positions up to ``prompt_end_g`` (the prompt) and causally to itself. The
+  scores are computed per part (width^2 + (group - 1) * tail * (width + tail) a group, not the whole
+  sequence's square)."""
+  prompt_end_g: jax.Array      # int32 [G]: the prompt's last position in each group
+  width: int
+  group: int
+  tail: int
+
+
+def _attend_shared(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array, layout: SharedPrompt) -> jax.Array:
+  g, w, parts, tail = q_btnh.shape[0], layout.width, layout.group - 1, layout.tail
+  first = attend(q_btnh[:, :w], k_btkh[:, :w], v_btkh[:, :w], jnp.tri(w, dtype=bool)[None])
+
+  def per_part(x):   # [G, parts * tail, ...] -> [G * parts, tail, ...]
+    return x[:, w:].reshape(g * parts, tail, *x.shape[2:])
+
+  def with_prompt(x):  # the first row's keys / values before each part's own
+    prompt = jnp.broadcast_to(x[:, None, :w], (g, parts, w, *x.shape[2:])).reshape(g * parts, w, *x.shape[2:])
+    return jnp.concatenate([prompt, per_part(x)], axis=1)
+
+  prompt_ps = jnp.arange(w)[None, :] <= layout.prompt_end_g[:, None]                       # [G, width]
+  mask = jnp.concatenate([jnp.broadcast_to(prompt_ps[:, None, None, :], (g, parts, tail, w)),
+                          jnp.broadcast_to(jnp.tri(tail, dtype=bool), (g, parts, tail, tail))], axis=-1)
+  rest = attend(per_part(q_btnh), with_prompt(k_btkh), with_prompt(v_btkh), mask.reshape(g * parts, tail, w + tail))
+  return jnp.concatenate([first, rest.reshape(g, parts * tail, *rest.shape[2:])], axis=1)
+
+
+def attend(q_btnh: jax.Array, k: jax.Array, v: jax.Array, mask_bts: jax.Array | SharedPrompt,
            kv_axes: str = "BSKH") -> jax.Array:
   """Grouped-query softmax attention; query head n reads kv head n // (N // K) (HF `repeat_kv` order).
 
   ``k`` and ``v`` are laid out as ``kv_axes`` says: "BSKH" (the projections' [B, T, K, H], the training
   forward) or "BKSH" (a KV-cache layer slice, read as it is stored). Masked scores get the float32
   minimum rather than -inf, so a fully masked row gives finite garbage (it only happens for padding)
-  instead of NaNs that would poison gradients.
+  instead of NaNs that would poison gradients. ``mask_bts`` a ``SharedPrompt``: that layout's attention.
   """
+  if isinstance(mask_bts, SharedPrompt):
+    return _attend_shared(q_btnh, k, v, mask_bts)
   b, t, n, h = q_btnh.shape
   kv = k.shape[kv_axes.index("K")]
   q_btkgh = q_btnh.reshape(b, t, kv, n // kv, h)

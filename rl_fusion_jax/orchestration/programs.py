@@ -128,9 +128,10 @@ class Programs:
     temperature = sampling.logprob_temperature
     # The micro-batch count follows each batch's shape (width bucket, row bucket): see OptimConfig.
     self.micro = step_lib.MicroBatching.from_optim(cfg.optim, self.mesh.devices.flat[0].platform)
+    shared_prompts = r.group_size if cfg.optim.shared_prompts else 0
     self.train_step = step_lib.make_rl_step(model_cfg, cfg.algo, temperature, self.tx, self.micro, self.mesh,
                                             r.max_new_tokens, self.state_shardings, d.train_rules,
-                                            max_response_len=r.max_new_tokens)
+                                            max_response_len=r.max_new_tokens, shared_prompts=shared_prompts)
     self.packed_step, self.row_buckets, self.plan_micro, self.stream_pages = None, (), 1, None
     fixed = cfg.optim.fixed_row_count
     if cfg.optim.pack_rows:
@@ -226,7 +227,8 @@ class Programs:
     if self.packed_step is None:
       self.train_step_prox = step_lib.make_rl_step(model_cfg, a, temperature, self.tx, self.micro, self.mesh,
                                                    r.max_new_tokens, self.state_shardings, d.train_rules,
-                                                   proximal=True, max_response_len=r.max_new_tokens)
+                                                   proximal=True, max_response_len=r.max_new_tokens,
+                                                   shared_prompts=r.group_size if cfg.optim.shared_prompts else 0)
       self.take_rows = shared_programs.jit(_take_rows,
                                            out_shardings=step_lib.batch_shardings(self.mesh, proximal=True))
     else:

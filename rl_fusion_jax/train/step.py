@@ -27,7 +27,7 @@ from rl_fusion_jax.sharding.expert_parallel import with_expert_parallel
 from rl_fusion_jax.sharding.mesh import BATCH_AXES, batch_sharding, batch_shards, replicated
 from rl_fusion_jax.sharding.rules import TRAIN_RULES, Rules
 from rl_fusion_jax.shared_programs import shared
-from rl_fusion_jax.train.logprobs import response_window, token_logprobs
+from rl_fusion_jax.train.logprobs import response_window, shared_prompt_logprobs, token_logprobs
 from rl_fusion_jax.train.state import TrainState
 from rl_fusion_jax.types import TrainBatch
 
@@ -49,20 +49,23 @@ def tokens_per_micro_batch(value: int | None, platform: str) -> int:
   return value or DEFAULT_TOKENS_PER_MICRO_BATCH.get(platform, ACCELERATOR_TOKENS_PER_MICRO_BATCH)
 
 
-def micro_batch_count(rows: int, width: int, tokens: int, shards: int) -> int:
+def micro_batch_count(rows: int, width: int, tokens: int, shards: int, group: int = 1) -> int:
   """The fewest micro-batches such that each holds at most ``tokens`` positions per device (its rows per
   batch shard * ``width``) and the same number of rows on each of the ``shards`` batch shards (the count
-  divides ``rows / shards``).
+  divides ``rows / shards``), in whole groups of ``group`` consecutive rows (``optim.shared_prompts``).
 
-  When even one row per shard exceeds the budget, one row per shard (the most micro-batches possible).
-  ``tokens`` = 0: no budget, one micro-batch.
+  When even one row (group) per shard exceeds the budget, one row (group) per shard (the most
+  micro-batches possible). ``tokens`` = 0: no budget, one micro-batch.
   """
   if rows % shards:
     raise ValueError(f"{rows} rows do not split over {shards} batch shards")
   per_shard = rows // shards
+  if per_shard % group:
+    raise ValueError(f"{per_shard} rows per batch shard do not hold whole groups of {group}")
   if not tokens:
     return 1
-  divisors = [m for m in range(1, per_shard + 1) if per_shard % m == 0]
+  units = per_shard // group
+  divisors = [m for m in range(1, units + 1) if units % m == 0]
   return next((m for m in divisors if per_shard // m * width <= tokens), divisors[-1])
 
 
@@ -77,8 +80,8 @@ class MicroBatching:
   def from_optim(cls, optim, platform: str) -> MicroBatching:
     return cls(optim.micro_batches, tokens_per_micro_batch(optim.tokens_per_micro_batch, platform))
 
-  def num_micro(self, rows: int, width: int, shards: int) -> int:
-    return self.count if self.count > 1 else micro_batch_count(rows, width, self.tokens, shards)
+  def num_micro(self, rows: int, width: int, shards: int, group: int = 1) -> int:
+    return self.count if self.count > 1 else micro_batch_count(rows, width, self.tokens, shards, group)
 
 
 def as_micro_batching(micro: MicroBatching | int) -> MicroBatching:
@@ -107,10 +110,16 @@ def train_width(max_len: int, seq_len: int) -> int:
   return min(seq_len, -(-n // step) * step)
 
 
-def split_micro_batches(tree, num_micro: int, mesh: Mesh):
-  """[B, ...] -> [M, B/M, ...], micro-batch m holding rows m, m+M, m+2M, ..."""
+def split_micro_batches(tree, num_micro: int, mesh: Mesh, group: int = 1):
+  """[B, ...] -> [M, B/M, ...], micro-batch m holding rows m, m+M, m+2M, ...; with ``group`` > 1, groups
+  of that many consecutive rows instead of rows (micro-batch m: groups m, m+M, ..., each kept whole)."""
   def split(x):
-    x = x.reshape(x.shape[0] // num_micro, num_micro, *x.shape[1:]).swapaxes(0, 1)
+    b, rest = x.shape[0], x.shape[1:]
+    if group == 1:
+      x = x.reshape(b // num_micro, num_micro, *rest).swapaxes(0, 1)
+    else:
+      x = x.reshape(b // (num_micro * group), num_micro, group, *rest).swapaxes(0, 1)
+      x = x.reshape(num_micro, b // num_micro, *rest)
     spec = P(None, BATCH_AXES, *([None] * (x.ndim - 2)))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
   return jax.tree.map(split, tree)
@@ -125,7 +134,8 @@ def _accumulator_dtype(dtype):
 MAX_PREFIX = "max/"
 
 
-def _accumulate(loss_fn: LossFn, params, batch, weights_bt, num_micro: int, mesh: Mesh, skip_empty: bool = False):
+def _accumulate(loss_fn: LossFn, params, batch, weights_bt, num_micro: int, mesh: Mesh, skip_empty: bool = False,
+                group: int = 1):
   """Sum of gradients and metric sums over micro-batches (weights are global, so sums are exact); metrics
   named ``MAX_PREFIX...`` are maxima instead.
 
@@ -133,12 +143,12 @@ def _accumulate(loss_fn: LossFn, params, batch, weights_bt, num_micro: int, mesh
   gradients are then cast to the parameters' dtype, so optimizer state keeps its dtype step after step.
   ``skip_empty``: a micro-batch whose weights are all 0 (rows of padding only) is skipped at run time
   (``lax.cond``): no forward or backward, nothing added (it would add exact zeros, as every loss term and
-  metric sum is weighted).
+  metric sum is weighted). ``group``: micro-batches hold whole groups of that many consecutive rows.
   """
   grad_fn = jax.grad(loss_fn, has_aux=True)
   if num_micro == 1:
     return grad_fn(params, batch, weights_bt)
-  micro = split_micro_batches((batch, weights_bt), num_micro, mesh)
+  micro = split_micro_batches((batch, weights_bt), num_micro, mesh, group)
 
   def add(carry, mb):
     grads, sums = grad_fn(params, *mb)
@@ -165,12 +175,18 @@ def _accumulate(loss_fn: LossFn, params, batch, weights_bt, num_micro: int, mesh
 WINDOW_CODE = 5
 # The count behind it, a metric of ``rl_loss`` with a head window.
 WINDOW_METRIC = MAX_PREFIX + "head/tokens_outside_window"
+# The same for ``optim.shared_prompts``: prompt tokens of rows that differ from their group's first row
+# (rows not grouped as the update assumes).
+PROMPT_CODE = 6
+PROMPT_METRIC = MAX_PREFIX + "head/prompt_tokens_differing_in_group"
 
 # The divergence guard: what ``metrics["nonfinite"]`` holds after an update (0: all finite, else the first
 # non-finite quantity in the order they are computed). The host names it with NONFINITE_NAMES.
 NONFINITE_NAMES = {1: "loss or a loss metric", 2: "gradients", 3: "updated parameters", 4: "optimizer state",
                    WINDOW_CODE: "response tokens outside the lm head's window (a response longer than "
-                                "rollout.max_new_tokens)"}
+                                "rollout.max_new_tokens)",
+                   PROMPT_CODE: "rows of a group with different prompts (optim.shared_prompts: the update's rows "
+                                "were not in groups of rollout.group_size)"}
 
 
 def all_finite(tree) -> jax.Array:
@@ -188,21 +204,22 @@ def _first_nonfinite(*trees) -> jax.Array:
 
 
 def update(loss_fn: LossFn, tx: optax.GradientTransformation, num_micro: int, mesh: Mesh,
-           state: TrainState, batch, weights_bt, bump_version: bool, skip_empty: bool = False):
+           state: TrainState, batch, weights_bt, bump_version: bool, skip_empty: bool = False, group: int = 1):
   """One guarded optimizer update: applied only when loss, gradients and the new state are all finite.
 
   A non-finite update leaves params and optimizer state as they were (a select on device, no host round
   trip); ``metrics["nonfinite"]`` says which quantity failed, and the host decides (stop or skip).
-  Step and policy version advance either way, so versions stay a function of the step. ``skip_empty``:
-  see ``_accumulate``.
+  Step and policy version advance either way, so versions stay a function of the step. ``skip_empty``,
+  ``group``: see ``_accumulate``.
   """
-  grads, sums = _accumulate(loss_fn, state.params, batch, weights_bt, num_micro, mesh, skip_empty)
+  grads, sums = _accumulate(loss_fn, state.params, batch, weights_bt, num_micro, mesh, skip_empty, group)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   sums["grad_norm"] = optax.global_norm(grads)
   code = _first_nonfinite(sums, grads, params, opt_state)
-  if WINDOW_METRIC in sums:
-    code = jnp.where(sums[WINDOW_METRIC] > 0, jnp.int32(WINDOW_CODE), code)
+  for metric, invariant in ((WINDOW_METRIC, WINDOW_CODE), (PROMPT_METRIC, PROMPT_CODE)):
+    if metric in sums:
+      code = jnp.where(sums[metric] > 0, jnp.int32(invariant), code)
   # The flag comes out of a conditional, which XLA never fuses: computed from ``code`` inline, the scalar
   # chain behind it (an is-finite and an and per checked leaf and metric) was copied into the select of
   # every parameter and optimizer leaf below (an optimization barrier does not survive XLA:CPU's passes).
@@ -222,7 +239,7 @@ def update(loss_fn: LossFn, tx: optax.GradientTransformation, num_micro: int, me
 # ----------------------------------------------------------------------------------------------------
 
 def rl_loss(model_cfg: models.ModelConfig, algo: AlgoConfig, temperature: float,
-            params, batch: TrainBatch, weights, current_version=None, head_len: int = 0):
+            params, batch: TrainBatch, weights, current_version=None, head_len: int = 0, shared_prompts: int = 0):
   """Policy loss + optional KL and entropy terms, aggregated with the precomputed token weights; for an
   MoE policy plus the router's auxiliary losses (`router_aux_loss`; padded rows route their padding too).
 
@@ -230,13 +247,24 @@ def rl_loss(model_cfg: models.ModelConfig, algo: AlgoConfig, temperature: float,
   window of ``head_len`` tokens per row from its first masked token (``logprobs.response_window``), not on
   every position; the loss and metrics read masked tokens only, so they are unchanged. Masked tokens
   past the window are counted in ``WINDOW_METRIC``, and ``update`` withholds such an update.
+
+  ``shared_prompts`` > 1 (``optim.shared_prompts``: the group size; needs the window): rows come in groups
+  of that many consecutive rows with one prompt, which the decoder runs once per group
+  (``logprobs.shared_prompt_logprobs``); rows that break the grouping count in ``PROMPT_METRIC``, and
+  ``update`` withholds such an update.
   """
-  window, outside = None, None
-  if 0 < head_len < batch.tokens_bt.shape[1] - 1:
-    start_b, outside = response_window(batch.mask_bt, head_len)
-    window = (start_b, head_len)
-  logp_bt, entropy_bt, aux = token_logprobs(model_cfg, params, batch.tokens_bt, temperature,
-                                            with_entropy=True, with_aux=True, head_window=window)
+  window, outside, mismatched = None, None, None
+  if shared_prompts > 1:
+    logp_bt, entropy_bt, outside, mismatched = shared_prompt_logprobs(
+        model_cfg, params, batch.tokens_bt, batch.mask_bt, shared_prompts,
+        shared_window(head_len, batch.tokens_bt.shape[1]), temperature, with_entropy=True)
+    aux = {}
+  else:
+    if 0 < head_len < batch.tokens_bt.shape[1] - 1:
+      start_b, outside = response_window(batch.mask_bt, head_len)
+      window = (start_b, head_len)
+    logp_bt, entropy_bt, aux = token_logprobs(model_cfg, params, batch.tokens_bt, temperature,
+                                              with_entropy=True, with_aux=True, head_window=window)
   loss, sums = rl_loss_from_logprobs(algo, logp_bt, entropy_bt, behaviour_logp_bt=batch.behaviour_logp_bt,
                                      advantages=batch.advantages_bt, mask_bt=batch.mask_bt,
                                      ref_logp_bt=batch.ref_logp_bt, weights=weights,
@@ -244,7 +272,15 @@ def rl_loss(model_cfg: models.ModelConfig, algo: AlgoConfig, temperature: float,
                                      current_version=current_version)
   if outside is not None:
     sums[WINDOW_METRIC] = outside.astype(jnp.float32)
+  if mismatched is not None:
+    sums[PROMPT_METRIC] = mismatched.astype(jnp.float32)
   return add_router_aux(model_cfg, loss, sums, aux, weights)
+
+
+def shared_window(head_len: int, width: int) -> int:
+  """The response window of ``shared_prompt_logprobs`` for rows ``width`` wide: ``head_len``, at most every
+  target of a row (``width - 1``, also when ``head_len`` is 0)."""
+  return min(head_len, width - 1) if head_len > 0 else width - 1
 
 
 def add_router_aux(model_cfg: models.ModelConfig, loss, sums, aux, weights):
@@ -347,13 +383,17 @@ def _metric_weights(mask_bt):
 
 def rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: MicroBatching, mesh: Mesh,
             norm_len: int, state: TrainState, batch: TrainBatch, bump_version: bool = True,
-            head_len: int = 0):
+            head_len: int = 0, shared_prompts: int = 0):
   loss_w_bt = registry.get_token_weights_fn(algo.aggregation)(batch.mask_bt, norm_len=norm_len)
   weights = (loss_w_bt, _metric_weights(batch.mask_bt))
   loss_fn = functools.partial(rl_loss, model_cfg, algo, temperature, current_version=state.policy_version,
-                              head_len=head_len)
-  num_micro = micro.num_micro(*batch.tokens_bt.shape, batch_shards(mesh))
-  return update(loss_fn, tx, num_micro, mesh, state, batch, weights, bump_version=bump_version)
+                              head_len=head_len, shared_prompts=shared_prompts)
+  group = max(shared_prompts, 1)
+  rows, width = batch.tokens_bt.shape
+  if group > 1:   # the positions a row costs when its group shares the prompt (``shared_prompt_logprobs``)
+    width = -(-(width - 1 + (group - 1) * (shared_window(head_len, width) - 1)) // group)
+  num_micro = micro.num_micro(rows, width, batch_shards(mesh), group)
+  return update(loss_fn, tx, num_micro, mesh, state, batch, weights, bump_version=bump_version, group=group)
 
 
 def bump_policy_version(state: TrainState) -> TrainState:
@@ -378,7 +418,7 @@ def batch_shardings(mesh: Mesh, proximal: bool = False) -> TrainBatch:
 @shared
 def make_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: MicroBatching | int, mesh: Mesh,
                  norm_len: int, shardings: TrainState, rules: Rules = TRAIN_RULES, *, proximal: bool = False,
-                 max_response_len: int = 0):
+                 max_response_len: int = 0, shared_prompts: int = 0):
   """``train_step(state, batch) -> (state, metrics)``, compiled once per batch shape, state donated.
 
   ``max_response_len`` > 0 (``rollout.max_new_tokens``): no row has more masked tokens than this, so the
@@ -388,10 +428,11 @@ def make_rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: Mic
   ``norm_len`` (the Dr. GRPO constant) does not depend on the batch width. ``rules``: the training rule
   table ``shardings`` came from (an MoE policy's experts run expert-parallel in that layout).
   ``proximal``: batches carry ``proximal_logp_bt`` (several updates per batch); such an update leaves the
-  policy version as it is (``bump_policy_version`` after the batch's last one).
+  policy version as it is (``bump_policy_version`` after the batch's last one). ``shared_prompts`` (the
+  group size, with ``max_response_len``): a group's rows run their shared prompt once (``rl_loss``).
   """
   fn = functools.partial(rl_step, model_cfg, algo, temperature, tx, as_micro_batching(micro), mesh, norm_len,
-                         bump_version=not proximal, head_len=max_response_len)
+                         bump_version=not proximal, head_len=max_response_len, shared_prompts=shared_prompts)
   fn = with_expert_parallel(fn, model_cfg, mesh, rules)
   return jax.jit(fn, in_shardings=(shardings, batch_shardings(mesh, proximal)),
                  out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
