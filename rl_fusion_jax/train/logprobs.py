@@ -116,7 +116,8 @@ def shared_prompt_logprobs(model_cfg: models.ModelConfig, params, tokens_bt: jax
   responses). Each group becomes one sequence: its first row whole (``T - 1`` input positions), then the
   other rows' responses, ``length - 1`` input positions each (``length``: the window, at least the longest
   response). A response attends to the first row's prompt positions and, causally, to itself; the first
-  row attends causally to itself as in ``token_logprobs``. The first target of every row is predicted from
+  row attends causally to itself as in ``token_logprobs`` (``layers.SharedPrompt``, scores computed part by
+  part). The first target of every row is predicted from
   the prompt's last position, which all rows of the group share. So the decoder runs ``T - 1 + (group - 1)
   * (length - 1)`` positions a group instead of ``group * (T - 1)``, and each entry equals
   ``token_logprobs``' up to float32 rounding (other sequence shapes; `tests/shared_prompts_test.py`).
