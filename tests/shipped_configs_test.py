@@ -188,10 +188,14 @@ COMPANIONS = {
     "task.system_prompt": {"task.prompt_format": "chat", "task.tokenizer": str(FIXTURE)},
     "algo.loss_kwargs": {"algo.policy_loss": "ppo_clip"},
     "algo.advantage_kwargs": {"algo.advantage": "gae"},
-    "model.num_experts": {"model.num_experts_per_tok": 2, "model.moe_intermediate_size": 32},
-    "optim.fixed_row_count": {"optim.pack_rows": True},
+    "model.num_experts": {"model.num_experts_per_tok": 2, "model.moe_intermediate_size": 32,
+                          "optim.shared_prompts": False},
+    "optim.fixed_row_count": {"optim.pack_rows": True, "optim.shared_prompts": False},
     "mesh.stage": {"optim.fixed_row_count": False},
-    "optim.pack_rows": {"optim.fixed_row_count": False},
+    "optim.pack_rows": {"optim.fixed_row_count": False, "optim.shared_prompts": False},
+    "algo.mini_batches": {"optim.shared_prompts": False},
+    "optim.shared_prompts": {"optim.pack_rows": False, "optim.fixed_row_count": False, "mesh.stage": 1,
+                             "model.num_experts": 0, "algo.mini_batches": 1},
 }
 # The chat configs take their architecture from model.hf_path (smollm2_word_problems.py names the fetched
 # model's folder, absent here): given here instead (random init), so that every model field can be
