@@ -143,18 +143,25 @@ def test_configs_it_cannot_serve_are_refused_naming_the_field(overrides, field):
 
 def test_the_loop_trains_as_without_it(tmp_path):
   """The tiny experiment (2 layers, 4 prompts x 2 samples; 8 devices as data 2 x fsdp 2 x tensor 2, so each
-  batch shard holds a group) for 3 steps with and without shared prompts: the same rewards (the same
-  samples) and losses within float32 rounding."""
+  batch shard holds a group) under StaleSync (s = 1, forced long-tail lengths: batches of groups generated
+  under two policy versions), 4 steps with and without shared prompts: the same rewards (the same samples) and losses within float32
+  rounding. The entropy bonus makes the loss and its gradient non-zero from the first step (a random
+  policy's rewards and advantages are 0)."""
   from rl_fusion_jax.orchestration import loop   # pylint: disable=import-outside-toplevel
   rows = {}
   for shared in (False, True):
-    cfg = experiments.tiny(**{"optim.shared_prompts": shared, "mesh.tensor": 2, "algo.entropy_coef": 0.01})
+    cfg = experiments.tiny(**{"optim.shared_prompts": shared, "mesh.tensor": 2, "algo.entropy_coef": 0.01,
+                              "stalesync.enabled": True, "stalesync.max_staleness": 1, "run.steps": 4,
+                              "stalesync.train_fraction": 0.5, "rollout.forced_length_median": 3,
+                              "rollout.forced_length_sigma": 1.0, "rollout.max_new_tokens": 12,
+                              "rollout.chunk_steps": 4})
     loop.run(cfg, str(tmp_path / str(shared)))
     with open(tmp_path / str(shared) / "metrics.jsonl") as f:
       rows[shared] = [json.loads(line) for line in f if '"loss"' in line]
-  assert [r["step"] for r in rows[True]] == [1, 2, 3]
+  assert [r["step"] for r in rows[True]] == [1, 2, 3, 4]
+  assert max(r["stalesync/staleness_max"] for r in rows[True]) == 1
   for a, b in zip(rows[False], rows[True]):
     assert a["reward"] == b["reward"]
     np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=1e-3)
-    assert b["nonfinite"] == 0
+    assert b["grad_norm"] > 0 and b["nonfinite"] == 0
