@@ -166,6 +166,7 @@ def _chat_config(ckpt, gsm8k_path, **overrides):
   c.task.kwargs = dict(path=gsm8k_path)
   c.task.eval_problems = 8
   c.rollout.num_prompts, c.rollout.group_size = 4, 2
+  c.mesh.tensor = 2    # 4 batch shards of the 8 devices: each holds a group (optim.shared_prompts)
   c.rollout.max_prompt_len, c.rollout.max_new_tokens, c.rollout.chunk_steps = 48, 8, 8
   c.optim.warmup_steps = 0
   c.run.steps, c.run.checkpoint_every, c.run.eval_every = 2, 2, 0
