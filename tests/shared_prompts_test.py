@@ -10,7 +10,8 @@ import optax
 import pytest
 
 from rl_fusion_jax import models
-from rl_fusion_jax.config import AlgoConfig, ConfigError, MeshConfig
+from rl_fusion_jax.config import AlgoConfig, ConfigError, MeshConfig, RunConfig
+from rl_fusion_jax.orchestration.guard import DivergenceGuard
 from rl_fusion_jax.sharding.mesh import make_mesh
 from rl_fusion_jax.sharding.rules import TRAIN_RULES, param_shardings
 from rl_fusion_jax.testing import experiments
@@ -127,6 +128,9 @@ def test_rows_out_of_their_groups_withhold_the_update():
   state, metrics = step(state, data)
   assert float(metrics[step_lib.PROMPT_METRIC]) > 0
   assert float(metrics["nonfinite"]) == step_lib.PROMPT_CODE
+  # The host stops whatever run.on_nonfinite says, naming the reason.
+  with pytest.raises(RuntimeError, match=r"step 3: rows of a group with different prompts"):
+    DivergenceGuard(RunConfig(on_nonfinite="skip"), "RL").check(3, {k: float(v) for k, v in metrics.items()})
   for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params)):
     np.testing.assert_array_equal(np.asarray(b), a)
 

@@ -14,7 +14,7 @@ from absl import logging
 
 from rl_fusion_jax.config import RunConfig
 from rl_fusion_jax.errors import DivergenceError
-from rl_fusion_jax.train.step import NONFINITE_NAMES, WINDOW_CODE
+from rl_fusion_jax.train.step import NONFINITE_NAMES, PROMPT_CODE, WINDOW_CODE
 
 
 def _quantity(code: int, metrics: Mapping[str, float]) -> str:
@@ -39,7 +39,7 @@ class DivergenceGuard:
     if code == 0:
       self.consecutive = 0
       return True
-    if code == WINDOW_CODE:
+    if code in (WINDOW_CODE, PROMPT_CODE):   # broken invariants, not divergence: always stop
       raise RuntimeError(f"{self.phase} step {step}: {NONFINITE_NAMES[code]}; the update was not applied")
     what = (f"{self.phase} step {step}: non-finite {_quantity(code, metrics)} (loss {metrics.get('loss')}, "
             f"grad_norm {metrics.get('grad_norm')}); the update was not applied")
