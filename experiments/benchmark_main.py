@@ -125,8 +125,8 @@ def model_flops(cfg, response_len_mean: float) -> dict[str, float]:
   train_tokens = r.batch_size * (r.seq_len - 1)
   layer_tokens = train_tokens
   if cfg.optim.shared_prompts:
-    window = min(r.max_new_tokens, r.seq_len - 1)
-    layer_tokens = r.num_prompts * (r.seq_len - 1 + (r.group_size - 1) * (window - 1))
+    from rl_fusion_jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
+    layer_tokens = r.num_prompts * step_lib.shared_positions(r.seq_len, r.group_size, r.max_new_tokens)
   return {"generate": 2 * (layers + head) * gen_tokens, "train": 6 * (layers * layer_tokens + head * train_tokens)}
 
 

@@ -283,6 +283,12 @@ def shared_window(head_len: int, width: int) -> int:
   return min(head_len, width - 1) if head_len > 0 else width - 1
 
 
+def shared_positions(width: int, group: int, head_len: int) -> int:
+  """Decoder positions of one group's sequence under ``optim.shared_prompts`` (rows ``width`` wide): the
+  first row's ``width - 1`` inputs, then ``window - 1`` per other row (``shared_prompt_logprobs``)."""
+  return width - 1 + (group - 1) * (shared_window(head_len, width) - 1)
+
+
 def add_router_aux(model_cfg: models.ModelConfig, loss, sums, aux, weights):
   """``loss`` + this micro-batch's share of the MoE router losses, with their metrics (`moe/...`).
 
@@ -391,7 +397,7 @@ def rl_step(model_cfg, algo: AlgoConfig, temperature: float, tx, micro: MicroBat
   group = max(shared_prompts, 1)
   rows, width = batch.tokens_bt.shape
   if group > 1:   # the positions a row costs when its group shares the prompt (``shared_prompt_logprobs``)
-    width = -(-(width - 1 + (group - 1) * (shared_window(head_len, width) - 1)) // group)
+    width = -(-shared_positions(width, group, head_len) // group)
   num_micro = micro.num_micro(rows, width, batch_shards(mesh), group)
   return update(loss_fn, tx, num_micro, mesh, state, batch, weights, bump_version=bump_version, group=group)
 
