@@ -10,8 +10,9 @@ workload and schedule read from its config.json), and that run re-simulated with
 --ablation (the JSON experiments/ablation_main.py writes; results/runs/ablation.json holds the committed
 runs, ~10 s): per workload and deployment (colocated; separated with one process per side) every run is
 predicted held out, with costs fitted only on the runs of the other schedule (fit on sync, predict
-StaleSync, and the reverse: ``sim/fit.py::validate_manifest``), then simulated in-sample, with costs fitted
-on all runs (labelled as such). Prints per run the measured and predicted step time and tokens/s, and the
+StaleSync, and the reverse: ``sim/fit.py::validate_manifest``), again held out with costs fitted only on
+the other schedule's runs of the same repeat (paired by repeat: made in the same interleaved round), then
+simulated in-sample, with costs fitted on all runs (labelled as such). Prints per run the measured and predicted step time and tokens/s, and the
 largest held-out error per workload, deployment and predicted schedule; with --sharing_sweep (default) the
 separated deployment's held-out errors under other thread counts of the processor-sharing model (~30 s).
 Writes OUT/validation.md and OUT/validation.json; exits with status 1 when a held-out step time misses by
@@ -72,6 +73,10 @@ def fit_run() -> None:
   _write("fit_run.json", data=out)
 
 
+def _maybe_pct(x: float | None) -> str:
+  return "-" if x is None else f"{x:.1%}"
+
+
 def validation() -> bool:
   """Prints and writes the validation; True when a held-out step time misses by more than --tolerance."""
   from rl_fusion_jax.sim import fit, tables  # pylint: disable=g-import-not-at-top
@@ -93,7 +98,9 @@ def validation() -> bool:
   _write("validation.md", md)
   _write("validation.json", data=v)
   print(f"largest held-out (cross-schedule) error: step time {v['max_held_out_step_error']:.1%}, tok/s "
-        f"{v['max_held_out_tokens_error']:.1%} (tolerance {_TOLERANCE.value:.0%} on step time); in-sample: "
+        f"{v['max_held_out_tokens_error']:.1%} (tolerance {_TOLERANCE.value:.0%} on step time); paired by "
+        f"repeat: {_maybe_pct(v['max_held_out_paired_step_error'])}, "
+        f"{_maybe_pct(v['max_held_out_paired_tokens_error'])}; in-sample: "
         f"{v['max_in_sample_step_error']:.1%}, {v['max_in_sample_tokens_error']:.1%}")
   return v["max_held_out_step_error"] > _TOLERANCE.value
 

@@ -20,9 +20,10 @@ the measured mean and batch maximum of the response lengths) and ``schedule_from
 ``validate`` simulates a run's configuration with fitted costs and compares step time (the mean time
 between update ends in the window) and trained tokens/s with what the run measured; the measured tokens/s is the
 "steady" one (``measure.summarize``: the window without the excess of steps a compile fell into, which
-the simulator does not model). ``validate_manifest`` does it for every run of an ablation twice: held out
-(costs fitted on the runs of the other schedule only, sync <-> StaleSync) and in-sample (fitted on all
-runs of the workload and deployment, this one included). Nothing here imports JAX.
+the simulator does not model). ``validate_manifest`` does it for every run of an ablation three times: held out
+(costs fitted on the runs of the other schedule only, sync <-> StaleSync), held out and paired by repeat
+(fitted on the other schedule's runs of the same repeat only) and in-sample (fitted on all runs of the
+workload and deployment, this one included). Nothing here imports JAX.
 """
 from __future__ import annotations
 
@@ -325,10 +326,13 @@ def load_manifest(path: str) -> dict[str, list[tuple[str, int, measure.MeasuredR
 def validate_manifest(path: str, sharing: Sharing = MEASURED_MACHINE) -> dict:
   """Validates the simulator on the runs an ``experiments/ablation_main.py`` manifest (ablation.json) lists.
 
-  Per workload and deployment, every run is simulated twice: "held_out", with costs fitted only on the
-  runs of the other schedule (fit on sync, predict StaleSync, and the reverse), and "in_sample", with
-  costs fitted on all runs of the workload and deployment, this one included. Returns one check per run,
-  the costs of every fit, and the largest errors of each kind (step time and tokens/s)."""
+  Per workload and deployment, every run is simulated three times: "held_out", with costs fitted only on
+  the runs of the other schedule (fit on sync, predict StaleSync, and the reverse); "held_out_paired",
+  with costs fitted only on the other schedule's runs of the same repeat (``ablation_main.py`` interleaves
+  the variants, so those were made in the same round, minutes apart, under the machine's speed of the
+  moment); and "in_sample", with costs fitted on all runs of the workload and deployment, this one
+  included. Returns one check per run, the costs of the pooled fits, and the largest errors of each kind
+  (step time and tokens/s)."""
   out = {"checks": [], "costs": {}}
   for workload, runs in load_manifest(path).items():
     for mode in ("colocated", "separated"):
@@ -346,13 +350,17 @@ def validate_manifest(path: str, sharing: Sharing = MEASURED_MACHINE) -> dict:
       for v, i, run in mine:
         c, held = validate(f"{workload}/{v}", run, pooled), by_schedule[schedule_name(run)]
         x = validate(f"{workload}/{v}", run, held) if held else None
+        # Paired: the other schedule's runs of the same repeat only (made in the same interleaved round).
+        partners = [r for _, j, r in mine if j == i and schedule_name(r) != schedule_name(run)]
+        p = validate(f"{workload}/{v}", run, fit_costs(partners, sharing)) if partners else None
         out["checks"].append({
             "workload": workload, "variant": v, "repeat": i, "mode": mode, "schedule": schedule_name(run),
             "fitted_on": "sync" if schedule_name(run) == "stalesync" else "stalesync",
             "measured_step_s": c.measured_step_s, "measured_tokens_per_s": c.measured_tokens_per_s,
             "measured_decode_steps": c.measured_decode_steps, "measured_idle": c.measured_idle,
-            "in_sample": _check(c), "held_out": _check(x) if x else None})
-  for kind in ("in_sample", "held_out"):
+            "in_sample": _check(c), "held_out": _check(x) if x else None,
+            "held_out_paired": _check(p) if p else None})
+  for kind in ("in_sample", "held_out", "held_out_paired"):
     for key in ("step_error", "tokens_error"):
       errors = [abs(c[kind][key]) for c in out["checks"] if c[kind]]
       out[f"max_{kind}_{key}"] = max(errors) if errors else None
@@ -368,7 +376,8 @@ def spread_floor(measured: list[float]) -> float:
 
 
 def worst_held_out(v: dict) -> list[dict]:
-  """Per workload, deployment and predicted schedule: the largest held-out errors over its runs, and
+  """Per workload, deployment and predicted schedule: the largest held-out errors over its runs (pooled
+  fits; ``max_paired_step_error``: fits paired by repeat, None where a run had no partner), and
   ``repeat_floor``: ``spread_floor`` of the runs' measured step times per variant, the largest over the
   variants of the group (how close one value per variant could come to every run)."""
   out, steps = {}, {}
@@ -377,10 +386,16 @@ def worst_held_out(v: dict) -> list[dict]:
       continue
     key = (c["workload"], c["mode"], c["schedule"])
     row = out.setdefault(key, {"workload": key[0], "mode": key[1], "predicted": key[2], "fitted_on": c["fitted_on"],
-                               "runs": 0, "max_step_error": 0.0, "max_tokens_error": 0.0})
+                               "runs": 0, "max_step_error": 0.0, "max_tokens_error": 0.0,
+                               "max_paired_step_error": 0.0})
     row["runs"] += 1
     row["max_step_error"] = max(row["max_step_error"], abs(c["held_out"]["step_error"]))
     row["max_tokens_error"] = max(row["max_tokens_error"], abs(c["held_out"]["tokens_error"]))
+    paired = c.get("held_out_paired")
+    if paired is None or row["max_paired_step_error"] is None:
+      row["max_paired_step_error"] = None
+    else:
+      row["max_paired_step_error"] = max(row["max_paired_step_error"], abs(paired["step_error"]))
     steps.setdefault(key, {}).setdefault(c["variant"], []).append(c["measured_step_s"])
   for key, row in out.items():
     row["repeat_floor"] = max(spread_floor(m) for m in steps[key].values())

@@ -234,25 +234,32 @@ def validation_markdown(v: dict, tolerance: float) -> str:
   worst = fit.worst_held_out(v)
   lines = ["#### Held out: fitted on one schedule's runs, predicting the other's (cross-schedule)", "",
            "| workload | deployment | predicted | fitted on | runs | largest step-time error | largest tok/s error |"
-           " within " + f"{tolerance:.0%} (step time) | repeats' floor |", "|" + "---|" * 9]
+           " within " + f"{tolerance:.0%} (step time) | repeats' floor | paired by repeat: largest step-time error |",
+           "|" + "---|" * 10]
   for w in worst:
+    paired = w.get("max_paired_step_error")
     lines.append(f"| {w['workload']} | {w['mode']} | {w['predicted']} | {w['fitted_on']} | {w['runs']} | "
                  f"{w['max_step_error']:.1%} | {w['max_tokens_error']:.1%} | "
-                 f"{'yes' if w['max_step_error'] <= tolerance else 'NO'} | {w['repeat_floor']:.1%} |")
+                 f"{'yes' if w['max_step_error'] <= tolerance else 'NO'} | {w['repeat_floor']:.1%} | "
+                 f"{'-' if paired is None else f'{paired:.1%}'} |")
   lines += ["", "The repeats' floor: the smallest largest step-time error that any one value per variant could "
             "have against that variant's repeats, (max - min) / (max + min) of their measured step times (the "
             "largest over the group's variants). Where a variant's repeats make the same counts, a model that "
             "predicts from counts gives them one value and cannot beat this floor; the floor says nothing of how "
-            "close this model comes."]
+            "close this model comes. Paired by repeat: the costs fitted on the other schedule's run of the same "
+            "repeat only (made in the same interleaved round), so that a drift of the machine's speed between "
+            "rounds reaches the fit and the predicted run alike; still held out."]
   lines += ["", "| workload | variant | repeat | fitted on | step measured / predicted | error | tok/s measured / "
-            "predicted | error | idle measured / predicted |", "|" + "---|" * 9]
+            "predicted | error | idle measured / predicted | paired by repeat: step predicted, error |",
+            "|" + "---|" * 10]
   for c in v["checks"]:
-    x = c["held_out"]
+    x, p = c["held_out"], c.get("held_out_paired")
     if x:
       lines.append(f"| {c['workload']} | {c['variant']} | {c['repeat']} | {c['fitted_on']} | "
                    f"{c['measured_step_s']:.3f} / {x['simulated_step_s']:.3f} s | {_pct(x['step_error'])} | "
                    f"{c['measured_tokens_per_s']:,.0f} / {x['simulated_tokens_per_s']:,.0f} | "
-                   f"{_pct(x['tokens_error'])} | {_idle(c, x)} |")
+                   f"{_pct(x['tokens_error'])} | {_idle(c, x)} | "
+                   + ("-" if not p else f"{p['simulated_step_s']:.3f} s, {_pct(p['step_error'])}") + " |")
   lines += ["", "#### In-sample: fitted on all runs of the workload and deployment, this one included", "",
             "In-sample errors say how well the cost model can describe these runs, not how well it predicts.", "",
             "| workload | variant | repeat | step measured / simulated | error | tok/s measured / simulated | "
