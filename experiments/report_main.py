@@ -594,8 +594,8 @@ def paired_sentence(validation: dict) -> str:
   paired = paired_errors(validation)
   return "" if paired is None else (
       f" **Paired by repeat** (each run predicted from the other schedule's run of the same interleaved round "
-      f"only, so that a drift of the machine's speed between rounds reaches the fit and the predicted run "
-      f"alike; still held out): {paired}.")
+      f"only, made minutes apart, so that a drift of the machine's speed between rounds reaches both; still "
+      f"held out): {paired}.")
 
 
 def held_out_summary(validation: dict) -> str:

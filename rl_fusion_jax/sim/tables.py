@@ -247,8 +247,8 @@ def validation_markdown(v: dict, tolerance: float) -> str:
             "largest over the group's variants). Where a variant's repeats make the same counts, a model that "
             "predicts from counts gives them one value and cannot beat this floor; the floor says nothing of how "
             "close this model comes. Paired by repeat: the costs fitted on the other schedule's run of the same "
-            "repeat only (made in the same interleaved round), so that a drift of the machine's speed between "
-            "rounds reaches the fit and the predicted run alike; still held out."]
+            "repeat only (made in the same interleaved round, minutes apart: a drift of the machine's speed "
+            "between rounds reaches both, one within a round need not); still held out."]
   lines += ["", "| workload | variant | repeat | fitted on | step measured / predicted | error | tok/s measured / "
             "predicted | error | idle measured / predicted | paired by repeat: step predicted, error |",
             "|" + "---|" * 10]
