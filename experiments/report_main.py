@@ -570,28 +570,21 @@ def with_notes(md: str, notes: dict[str, str]) -> str:
   return "\n".join(out)
 
 
-def held_out_errors(validation: dict) -> str:
-  """'**16.1%** on step time (20.0% on tok/s); 23 of 24 runs within 15%'."""
-  held = [c for c in validation["checks"] if c["held_out"]]
-  good = sum(abs(c["held_out"]["step_error"]) <= _TOLERANCE for c in held)
-  return (f"**{validation['max_held_out_step_error']:.1%}** on step time "
-          f"({validation['max_held_out_tokens_error']:.1%} on tok/s); {good} of {len(held)} runs within "
-          f"{_TOLERANCE:.0%} on step time")
-
-
-def paired_errors(validation: dict) -> str | None:
-  """The held-out errors with fits paired by repeat, as ``held_out_errors`` words them (None: not computed)."""
-  held = [c for c in validation["checks"] if c.get("held_out_paired")]
+def held_out_errors(validation: dict, kind: str = "held_out", bold: bool = True) -> str | None:
+  """'**16.1%** on step time (20.0% on tok/s); 23 of 24 runs within 15%' for the checks of ``kind``
+  ("held_out" or "held_out_paired"); None where no check has it (a validation made before pairing)."""
+  held = [c for c in validation["checks"] if c.get(kind)]
   if not held:
     return None
-  good = sum(abs(c["held_out_paired"]["step_error"]) <= _TOLERANCE for c in held)
-  return (f"{validation['max_held_out_paired_step_error']:.1%} on step time "
-          f"({validation['max_held_out_paired_tokens_error']:.1%} on tok/s); {good} of {len(held)} runs within "
+  good = sum(abs(c[kind]["step_error"]) <= _TOLERANCE for c in held)
+  step = f"{validation[f'max_{kind}_step_error']:.1%}"
+  return (f"{f'**{step}**' if bold else step} on step time "
+          f"({validation[f'max_{kind}_tokens_error']:.1%} on tok/s); {good} of {len(held)} runs within "
           f"{_TOLERANCE:.0%} on step time")
 
 
 def paired_sentence(validation: dict) -> str:
-  paired = paired_errors(validation)
+  paired = held_out_errors(validation, "held_out_paired", bold=False)
   return "" if paired is None else (
       f" **Paired by repeat** (each run predicted from the other schedule's run of the same interleaved round "
       f"only, made minutes apart, so that a drift of the machine's speed between rounds reaches both; still "
