@@ -6,14 +6,23 @@ For each layer count, the config's model with `num_layers` replaced (and `scan_u
 --scan_unroll; 0: every layer unrolled) is lowered and compiled ahead of time as
 the loop's RL update (`train.step.make_rl_step`: forward, backward, AdamW, one micro-batch) on one device
 at the config's batch shape, from abstract arguments: nothing runs. Prints one JSON line per depth (median
-lower and compile seconds over --repeats fresh compiles; no persistent compilation cache). --concurrent=N times
-N such compiles (distinct row widths) one after another against N threads at once. Only APIs that
+lower and compile seconds over --repeats fresh compiles; no persistent compilation cache: before each
+repeat the process forgets every program it made, `rl_fusion_jax.shared_programs.clear()` and
+`jax.clear_caches()`, so a repeat traces, lowers and compiles again). --concurrent=N times
+N such compiles (distinct row widths) one after another against N threads at once. --phases also traces
+one more fresh compile with jax.profiler and prints where XLA:CPU spent it (its HLO passes, the code
+generation of the fused kernels, the thunk sequence; the names its profiler events carry). Only APIs that
 also existed before the layers were scanned are used, so the same binary times an older checkout
 (`PYTHONPATH=OLD_CHECKOUT python experiments/benchmark_compile_main.py ...`).
 """
+import collections
 import dataclasses
+import glob
+import gzip
 import json
+import os
 import statistics
+import tempfile
 import time
 
 from absl import app, flags
@@ -23,6 +32,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config fil
 _LAYERS = flags.DEFINE_list("layers", ["4", "24"], "Layer counts to compile.")
 _UNROLL = flags.DEFINE_integer("scan_unroll", 1, "model.scan_unroll (0: num_layers, every layer unrolled).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Fresh compiles per depth (medians reported).")
+_PHASES = flags.DEFINE_bool("phases", False, "Also profile one more fresh compile per depth and print XLA:CPU's "
+                             "compile phases (seconds of the profiler events named in _PHASE_EVENTS).")
 _CONCURRENT = flags.DEFINE_integer("concurrent", 0, "N > 1: instead, compile N RL updates of distinct row widths "
                                    "one after another and in N threads at once, alternating --repeats rounds each.")
 
@@ -64,12 +75,60 @@ def _update(exp, layers: int, scan_unroll: int):
   return fields, lower
 
 
+def _forget_programs():
+  """Drops every program this process made, so the next lowering and compile start from nothing: the
+  shared factories (``make_rl_step`` returns the jitted function it made before for equal arguments) and
+  JAX's in-memory caches would otherwise answer a repeat without compiling (0.0 s)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  try:
+    from rl_fusion_jax import shared_programs  # pylint: disable=g-import-not-at-top
+    shared_programs.clear()
+  except ImportError:   # a checkout from before the shared factories
+    pass
+  jax.clear_caches()
+
+
+# XLA:CPU's profiler events inside one compile (jaxlib 0.10): the compile as a whole, its HLO passes (two
+# pipelines), the backend (code generation of the fused kernels, then the thunk sequence that runs them).
+_PHASE_EVENTS = ("PjRtCpuClient::Compile", "HLO passes through layout assignment",
+                 "HLO passes after layout assignment", "CpuCompiler::RunBackend", "Codegen",
+                 "FusionCompiler::Compile", "ThunkEmitter::EmitEntryComputation")
+
+
+def compile_phases(lowered) -> dict:
+  """Seconds of each ``_PHASE_EVENTS`` event (summed over its occurrences; a prefix match, so a pipeline
+  named after its module counts) while compiling ``lowered`` once under jax.profiler, and how many fused
+  kernels were generated."""
+  import jax  # pylint: disable=g-import-not-at-top
+  with tempfile.TemporaryDirectory() as tmp:
+    jax.profiler.start_trace(tmp, create_perfetto_trace=True)
+    try:
+      lowered.compile()
+    finally:
+      jax.profiler.stop_trace()
+    traces = glob.glob(os.path.join(tmp, "plugins", "profile", "*", "perfetto_trace.json.gz"))
+    with gzip.open(traces[0]) as f:
+      events = json.load(f)["traceEvents"]
+  seconds, counts = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get("ph") != "X":
+      continue
+    for name in _PHASE_EVENTS:
+      if e["name"].startswith(name):
+        seconds[name] += e["dur"] / 1e6
+        counts[name] += 1
+  out = {name: round(seconds[name], 3) for name in _PHASE_EVENTS if name in seconds}
+  out["fused_kernels"] = counts["FusionCompiler::Compile"]
+  return out
+
+
 def compile_seconds(exp, layers: int, scan_unroll: int) -> dict:
   """(lower s, compile s) of the RL update at `layers` layers, each a fresh trace and compile."""
   fields, lower_at = _update(exp, layers, scan_unroll)
   width = exp.rollout.seq_len
   lower, comp = [], []
   for _ in range(_REPEATS.value):
+    _forget_programs()
     t0 = time.perf_counter()
     lowered = lower_at(width)
     t1 = time.perf_counter()
@@ -77,8 +136,13 @@ def compile_seconds(exp, layers: int, scan_unroll: int) -> dict:
     t2 = time.perf_counter()
     lower.append(t1 - t0)
     comp.append(t2 - t1)
-  return {"layers": layers, "scan_unroll": fields.get("scan_unroll"), "rows": exp.rollout.batch_size,
-          "width": width, "lower_s": round(statistics.median(lower), 3), "compile_s": round(statistics.median(comp), 3)}
+  out = {"layers": layers, "scan_unroll": fields.get("scan_unroll"), "rows": exp.rollout.batch_size,
+         "width": width, "lower_s": round(statistics.median(lower), 3), "compile_s": round(statistics.median(comp), 3),
+         "compile_s_each": [round(x, 3) for x in comp]}
+  if _PHASES.value:
+    _forget_programs()
+    out["phases_s"] = compile_phases(lower_at(width))
+  return out
 
 
 def concurrent_seconds(exp, layers: int, scan_unroll: int, count: int) -> dict:
@@ -95,6 +159,7 @@ def concurrent_seconds(exp, layers: int, scan_unroll: int, count: int) -> dict:
     if min(widths[-1]) < 2:
       raise app.UsageError(f"--concurrent={count} x 2 --repeats={_REPEATS.value} programs need row widths down "
                            f"to {min(widths[-1])}; fewer programs or rounds")
+    _forget_programs()
     lowered = [lower_at(w) for w in widths[-1]]
     t0 = time.perf_counter()
     if r % 2 == 0:
