@@ -121,7 +121,9 @@ def setup_jax(cpu_devices: int, cache_dir: str, distributed=None) -> None:
   quiet_libraries()
   import jax  # pylint: disable=g-import-not-at-top
   from rl_fusion_jax import gc_policy  # pylint: disable=g-import-not-at-top
+  from rl_fusion_jax.testing import compile_log  # pylint: disable=g-import-not-at-top
   gc_policy.tune()
+  compile_log.install()   # only under the tests (RLFJ_COMPILE_LOG): this process's compile seconds
   if distributed is not None:   # before anything starts the backend
     from rl_fusion_jax import distributed as distributed_lib  # pylint: disable=g-import-not-at-top
     distributed_lib.initialize(distributed)

@@ -75,6 +75,8 @@ def main(argv):
     from rl_fusion_jax.orchestration import separated
     separated.initialize(distributed, _TRANSPORT.value)
     import jax
+    from rl_fusion_jax.testing import compile_log  # pylint: disable=g-import-not-at-top
+    compile_log.install()   # only under the tests (RLFJ_COMPILE_LOG): this process's compile seconds
     if _CACHE.value:   # each side compiles its own programs: both write their cache entries
       jax.config.update("jax_compilation_cache_dir", os.path.expanduser(_CACHE.value))
       from rl_fusion_jax import distributed as distributed_lib  # pylint: disable=g-import-not-at-top

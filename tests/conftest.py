@@ -58,11 +58,32 @@ import time  # noqa: E402
 import pytest  # noqa: E402
 from jax import monitoring  # noqa: E402
 
-# The duration events JAX records while tracing, lowering and compiling a program in this process
-# (compiles inside subprocesses a test starts are not seen here).
+# The duration events JAX records while tracing, lowering and compiling a program in this process.
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                    "/jax/core/compile/backend_compile_duration")
 _compile_s = [0.0]
+
+# The binaries and workers a test starts report theirs, and their CPU seconds, as JSON lines appended to
+# a file of this process's (rl_fusion_jax/testing/compile_log.py, not imported here: every py_test would
+# need it in its BUILD deps; they inherit the variable, and PYTEST_CURRENT_TEST).
+import json  # noqa: E402
+import tempfile  # noqa: E402
+
+_CHILD_LOG = os.path.join(tempfile.gettempdir(), f"rlfj_compile_log_{os.getpid()}.jsonl")
+os.environ["RLFJ_COMPILE_LOG"] = _CHILD_LOG
+_child_offset = [0]
+
+
+def _read_child_log() -> list[dict]:
+  """The complete lines appended since the last call."""
+  if not os.path.exists(_CHILD_LOG):
+    return []
+  with open(_CHILD_LOG, "rb") as f:
+    f.seek(_child_offset[0])
+    data = f.read()
+  end = data.rfind(b"\n") + 1
+  _child_offset[0] += end
+  return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
 
 
 def _on_duration(event: str, duration: float, **kwargs) -> None:
@@ -82,7 +103,13 @@ def pytest_runtest_makereport(item, call):
   outcome = yield
   spent = _compile_s[0] - getattr(item, "_rlfj_compile_mark", 0.0)
   item._rlfj_compile_mark = _compile_s[0]
-  outcome.get_result().user_properties.append(("compile_s", spent))
+  # What the processes this phase started (and waited for) wrote when they ended.
+  children = _read_child_log()
+  props = outcome.get_result().user_properties
+  props.append(("compile_s", spent))
+  props.append(("child_compile_s", sum(c["trace_s"] + c["lower_s"] + c["compile_s"] for c in children)))
+  props.append(("child_cpu_s", sum(c["cpu_s"] for c in children)))
+  props.append(("children", len(children)))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -91,29 +118,44 @@ def pytest_runtest_setup(item):
   yield
 
 
-_per_test: dict[str, list[float]] = {}   # test id -> [wall s, compile s], summed over its phases
+# test id -> [wall s, compile s in the test's process, compile s in the processes it started, their CPU s,
+# how many], summed over its phases
+_per_test: dict[str, list[float]] = {}
+_FIGURES = ("compile_s", "child_compile_s", "child_cpu_s", "children")
 
 
 def pytest_runtest_logreport(report):
-  entry = _per_test.setdefault(report.nodeid.split("@")[0], [0.0, 0.0])   # without pytest-xdist's "@group"
+  entry = _per_test.setdefault(report.nodeid.split("@")[0], [0.0] * 5)   # without pytest-xdist's "@group"
   entry[0] += report.duration
-  entry[1] += sum(v for k, v in report.user_properties if k == "compile_s")
+  for i, key in enumerate(_FIGURES, start=1):
+    entry[i] += sum(v for k, v in report.user_properties if k == key)
 
 
 def pytest_terminal_summary(terminalreporter, config):
   if hasattr(config, "workerinput") or not _per_test:   # a pytest-xdist worker: the controller reports
     return
-  timings = sorted(((w, c, name) for name, (w, c) in _per_test.items()), reverse=True)
-  wall, compile_s = sum(t[0] for t in timings), sum(t[1] for t in timings)
-  terminalreporter.section("slowest tests (wall s, of which tracing + compiling in the test's process)")
-  for w, c, name in timings[:15]:
-    terminalreporter.write_line(f"{w:8.1f} s  {c:7.1f} s compile  {name}")
+  timings = sorted(((*figures, name) for name, figures in _per_test.items()), reverse=True)
+  wall, compile_s, child_compile_s, child_cpu_s, children = (sum(t[i] for t in timings) for i in range(5))
+  terminalreporter.section("slowest tests (wall s; tracing + compiling in the test's process, and in the "
+                           "binaries it started)")
+  for w, c, cc, _, n, name in timings[:15]:
+    started = f"  {cc:6.1f} s in {int(n)} process{'es' if n != 1 else ''} it started" if n else ""
+    terminalreporter.write_line(f"{w:8.1f} s  {c:7.1f} s compile{started}  {name}")
   terminalreporter.write_line(f"{len(timings)} tests: {wall:.0f} s, {compile_s:.0f} s of it compiling in the "
-                              "tests' processes (summed over workers)")
+                              "tests' processes (summed over workers); the binaries they started: "
+                              f"{int(children)} processes, {child_cpu_s:.0f} CPU s, {child_compile_s:.0f} s "
+                              "of it compiling")
   path = os.environ.get("RLFJ_TEST_TIMINGS")   # every test's figures, as tab-separated lines
   if path:
     with open(path, "w") as f:
-      f.writelines(f"{w:.2f}\t{c:.2f}\t{name}\n" for w, c, name in timings)
+      f.writelines(f"{w:.2f}\t{c:.2f}\t{name}\t{cc:.2f}\t{cpu:.2f}\t{int(n)}\n"
+                   for w, c, cc, cpu, n, name in timings)
+
+
+def pytest_unconfigure(config):
+  del config
+  if os.path.exists(_CHILD_LOG):
+    os.remove(_CHILD_LOG)
 
 
 # ----------------------------------------------------------------------------------------------------

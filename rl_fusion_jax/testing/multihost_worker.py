@@ -248,7 +248,9 @@ def precision_check() -> dict:
 
 def main(port: int, process_id: int) -> None:
   from rl_fusion_jax import gc_policy
+  from rl_fusion_jax.testing import compile_log
   gc_policy.tune()
+  compile_log.install()
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                              process_id=process_id)
   from rl_fusion_jax.config import MeshConfig

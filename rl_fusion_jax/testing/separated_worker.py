@@ -44,8 +44,9 @@ def parse(argv) -> dict:
 def main(port: int, process: str, workdir: str, opts: dict) -> None:
   import jax
   from rl_fusion_jax import gc_policy  # pylint: disable=g-import-not-at-top
-  from rl_fusion_jax.testing import launch  # pylint: disable=g-import-not-at-top
+  from rl_fusion_jax.testing import compile_log, launch  # pylint: disable=g-import-not-at-top
   gc_policy.tune()
+  compile_log.install()
   jax.config.update("jax_compilation_cache_dir", launch.TEST_CACHE)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
