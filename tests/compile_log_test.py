@@ -47,3 +47,8 @@ def test_a_started_process_appends_one_line_with_its_compile_and_cpu_seconds(tmp
 def test_without_the_variable_nothing_is_written(tmp_path):
   _run_child(tmp_path, None)
   assert os.listdir(tmp_path) == []
+
+
+def test_a_log_that_cannot_be_written_is_no_error_at_exit(tmp_path):
+  done = _run_child(tmp_path, tmp_path / "missing" / "log.jsonl")   # check=True: exit status 0
+  assert "Traceback" not in done.stderr and not (tmp_path / "missing").exists()

@@ -50,11 +50,15 @@ def install() -> None:
     times = os.times()
     line = {"test": test, "command": command, "pid": os.getpid(), **{k: round(v, 4) for k, v in totals.items()},
             "cpu_s": round(times.user + times.system, 3)}
-    # One write of one line in append mode: lines of processes that end at once do not interleave.
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    # One write of one line in append mode: lines of processes that end at once do not interleave. A
+    # figure that cannot be written is lost, never an error at the process's exit.
     try:
-      os.write(fd, (json.dumps(line) + "\n").encode())
-    finally:
-      os.close(fd)
+      fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+      try:
+        os.write(fd, (json.dumps(line) + "\n").encode())
+      finally:
+        os.close(fd)
+    except OSError:
+      pass
 
   atexit.register(write)
